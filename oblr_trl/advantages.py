@@ -1,0 +1,136 @@
+"""From rewards and weights to OBLR-PO advantages A_i = r_i − b_i (DESIGN §2).
+
+Pure tensor code. Completions are laid out group by group, ``G`` consecutive entries per prompt, as TRL gathers them.
+A reward that is not finite (NaN for "every reward function returned None", ±inf from a faulty function) marks the
+completion as unscorable: it takes no part in any baseline and its advantage is 0, as TRL does for NaN.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .baselines import gradient_weighted_baseline
+
+__all__ = ["AdvantageResult", "aggregate_rewards", "gradient_weighted_advantages", "nanstd"]
+
+SCALE_EPS = 1e-4  # the epsilon TRL adds to the standard deviation when it scales rewards
+
+
+@dataclass(frozen=True)
+class AdvantageResult:
+    """Advantages and the quantities the trainer logs, all of shape ``(N,)``.
+
+    Attributes:
+        advantages: finite advantages; 0 for unscorable completions and where no baseline exists.
+        baseline: b_i, NaN where undefined.
+        fallback: True where the weighted baseline fell back to the uniform mean.
+        scored: True where the completion's reward is finite.
+    """
+
+    advantages: torch.Tensor
+    baseline: torch.Tensor
+    fallback: torch.Tensor
+    scored: torch.Tensor
+
+
+def nanstd(values: torch.Tensor, dim: int | None = None, keepdim: bool = False) -> torch.Tensor:
+    """Bessel-corrected standard deviation ignoring NaN entries; NaN where fewer than two values remain."""
+    if dim is None:
+        values, dim = values.reshape(-1), 0
+    count = (~torch.isnan(values)).sum(dim=dim, keepdim=True)
+    mean = torch.nanmean(values, dim=dim, keepdim=True)
+    sq_dev = torch.nansum((values - mean) ** 2, dim=dim, keepdim=True)
+    std = torch.where(count > 1, (sq_dev / (count - 1).clamp(min=1)).sqrt(), torch.full_like(mean, float("nan")))
+    return std if keepdim else std.squeeze(dim)
+
+
+def aggregate_rewards(
+    rewards_per_func: torch.Tensor,
+    reward_weights: torch.Tensor,
+    group_size: int,
+    aggregation: str = "sum_then_normalize",
+) -> torch.Tensor:
+    """Combine several reward functions into one reward per completion, as TRL's ``multi_objective_aggregation``.
+
+    - ``"sum_then_normalize"``: r_i = Σ_k λ_k r_ik over the functions that scored i (NaN entries skipped).
+    - ``"normalize_then_sum"`` (GDPO): each function's rewards are first standardised within the group,
+      (r_ik − mean_k)/(std_k + 1e-4), then summed with the weights λ_k.
+
+    A completion that no function scored (all NaN) gets a NaN reward, and so does one with a non-finite sum.
+
+    Args:
+        rewards_per_func: ``(N, K)`` rewards, NaN where a function returned None.
+        reward_weights: ``(K,)`` weights λ_k.
+        group_size: G.
+        aggregation: ``"sum_then_normalize"`` or ``"normalize_then_sum"``.
+
+    Returns:
+        ``(N,)`` rewards.
+    """
+    unscorable = torch.isnan(rewards_per_func).all(dim=1)
+    weights = reward_weights.to(rewards_per_func)
+    if aggregation == "sum_then_normalize":
+        rewards = (rewards_per_func * weights).nansum(dim=1)
+    elif aggregation == "normalize_then_sum":
+        grouped = rewards_per_func.view(-1, group_size, rewards_per_func.shape[1])
+        mean = torch.nanmean(grouped, dim=1, keepdim=True)
+        std = nanstd(grouped, dim=1, keepdim=True)
+        standardised = ((grouped - mean) / (std + SCALE_EPS)).view_as(rewards_per_func)
+        rewards = (standardised * weights).nansum(dim=1)
+    else:
+        raise ValueError(
+            f"aggregation must be 'sum_then_normalize' or 'normalize_then_sum'; got {aggregation!r}."
+        )
+    return torch.where(unscorable | ~torch.isfinite(rewards), torch.full_like(rewards, float("nan")), rewards)
+
+
+def gradient_weighted_advantages(
+    rewards: torch.Tensor,
+    weights: torch.Tensor,
+    group_size: int,
+    leave_one_out: bool = True,
+    scale_rewards: str = "none",
+) -> AdvantageResult:
+    """A_i = (r_i − b_i) / s with the gradient-weighted baseline b_i (DESIGN §2).
+
+    b_i is [`gradient_weighted_loo_baseline`] (default) or [`group_weighted_baseline`]. The optional scale s follows
+    TRL's ``scale_rewards``: ``"none"`` (s = 1, the default of the theory, which has no std scaling), ``"group"`` (std
+    of the group's scored rewards + 1e-4) or ``"batch"`` (std over the whole batch + 1e-4). Any scaling makes the
+    estimator biased, since the std depends on r_i.
+
+    Args:
+        rewards: ``(N,)`` rewards, N = num_groups·G, non-finite for unscorable completions.
+        weights: ``(N,)`` weights w_i.
+        group_size: G.
+        leave_one_out: leave-one-out baseline (unbiased) or whole-group baseline.
+        scale_rewards: ``"none"``, ``"group"`` or ``"batch"``.
+
+    Returns:
+        An [`AdvantageResult`] whose ``advantages`` are always finite.
+    """
+    if rewards.shape != weights.shape or rewards.dim() != 1 or rewards.numel() % group_size != 0:
+        raise ValueError(
+            f"rewards and weights must both be (N,) with N a multiple of G={group_size}; got "
+            f"{tuple(rewards.shape)} and {tuple(weights.shape)}."
+        )
+    rewards = torch.where(torch.isfinite(rewards), rewards, torch.full_like(rewards, float("nan")))
+    grouped = rewards.view(-1, group_size)
+    result = gradient_weighted_baseline(grouped, weights.view(-1, group_size), leave_one_out=leave_one_out)
+    advantages = grouped - result.baseline
+
+    if scale_rewards == "group":
+        advantages = advantages / (nanstd(grouped, dim=1, keepdim=True) + SCALE_EPS)
+    elif scale_rewards == "batch":
+        advantages = advantages / (nanstd(grouped) + SCALE_EPS)
+    elif scale_rewards != "none":
+        raise ValueError(f"scale_rewards must be 'none', 'group' or 'batch'; got {scale_rewards!r}.")
+
+    advantages = torch.nan_to_num(advantages.reshape(-1), nan=0.0, posinf=0.0, neginf=0.0)
+    return AdvantageResult(
+        advantages=advantages,
+        baseline=result.baseline.reshape(-1),
+        fallback=result.fallback.reshape(-1),
+        scored=torch.isfinite(rewards),
+    )

@@ -1,0 +1,112 @@
+"""Backend glue: where the trainer reads gradients and sets the step's learning rate.
+
+Two small pieces, each the single place that touches a training backend:
+
+* [`MicroBatchGradSqNorms`] sums ‖h_k‖² over the micro-batch gradients h_k of an optimizer step. It registers a hook
+  on every trainable parameter; a hook on a leaf tensor sees the gradient of the current backward *before* it is added
+  to ``.grad`` and before DDP or DeepSpeed reduce it across ranks, so each micro-batch's local gradient is observed
+  without keeping a copy of the accumulated one.
+* [`StepLearningRateScale`] multiplies every param group's learning rate by a factor for the duration of one
+  ``optimizer.step()`` and puts the scheduled value back afterwards. It hooks the innermost torch optimizer, which
+  every backend ends up stepping, also when DeepSpeed runs the step inside ``backward``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+
+__all__ = ["MicroBatchGradSqNorms", "StepLearningRateScale", "innermost_optimizer"]
+
+
+class MicroBatchGradSqNorms:
+    """Accumulates Σ_k ‖h_k‖² of the gradients that reach the given parameters while ``active`` is True.
+
+    Hooks also fire for ``torch.autograd.grad`` calls (per-sample norms, `exact` weights); the owner sets ``active``
+    only around the training backward.
+    """
+
+    def __init__(self, params: Iterable[torch.nn.Parameter]):
+        self.active = False
+        self._total: torch.Tensor | None = None
+        self._handles = [p.register_hook(self._accumulate) for p in params if p.requires_grad]
+        if not self._handles:
+            raise ValueError("no trainable parameters to measure gradients on.")
+
+    def _accumulate(self, grad: torch.Tensor) -> None:
+        if not self.active:
+            return
+        sq = torch.linalg.vector_norm(grad.detach(), dtype=torch.float32).square()
+        self._total = sq if self._total is None else self._total + sq.to(self._total.device)
+
+    def pop(self, device: torch.device) -> torch.Tensor:
+        """Σ_k ‖h_k‖² since the last call (a float32 scalar on ``device``), and reset."""
+        total = torch.zeros((), dtype=torch.float32, device=device) if self._total is None else self._total.to(device)
+        self._total = None
+        return total
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+def innermost_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The torch optimizer that actually updates the parameters, under accelerate's and DeepSpeed's wrappers.
+
+    accelerate's ``AcceleratedOptimizer`` and DeepSpeed's ZeRO / bf16 optimizers all keep the wrapped optimizer in an
+    ``optimizer`` attribute; plain torch optimizers have none.
+    """
+    seen = set()
+    while getattr(optimizer, "optimizer", None) is not None and id(optimizer) not in seen:
+        seen.add(id(optimizer))
+        optimizer = optimizer.optimizer
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"expected a torch optimizer under the wrappers, found {type(optimizer).__name__}.")
+    return optimizer
+
+
+class StepLearningRateScale:
+    """Scales the learning rate of each ``step()`` of an optimizer by ``factor_fn()``, only during that step.
+
+    ``on_scaled(scheduled_lr, factor)`` is called once per step with the first group's scheduled learning rate, for
+    logging.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        factor_fn: Callable[[], float],
+        on_scaled: Callable[[float, float], None] | None = None,
+    ):
+        self.optimizer = innermost_optimizer(optimizer)
+        self.factor_fn = factor_fn
+        self.on_scaled = on_scaled
+        self._scheduled: list[float] | None = None
+        self._handles = [
+            self.optimizer.register_step_pre_hook(self._scale),
+            self.optimizer.register_step_post_hook(self._restore),
+        ]
+
+    def _scale(self, optimizer, args, kwargs) -> None:
+        factor = float(self.factor_fn())
+        self._scheduled = [group["lr"] for group in optimizer.param_groups]
+        for group, lr in zip(optimizer.param_groups, self._scheduled, strict=True):
+            # out of place: some optimizers keep the rate as a tensor (capturable / fused Adam)
+            group["lr"] = lr * factor
+        if self.on_scaled is not None:
+            self.on_scaled(float(self._scheduled[0]), factor)
+
+    def _restore(self, optimizer, args, kwargs) -> None:
+        if self._scheduled is None:
+            return
+        for group, lr in zip(optimizer.param_groups, self._scheduled, strict=True):
+            group["lr"] = lr
+        self._scheduled = None
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+

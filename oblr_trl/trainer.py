@@ -1,0 +1,484 @@
+"""`OBLRPOTrainer`: TRL's `GRPOTrainer` with the gradient-weighted baseline and the SNR-driven learning rate.
+
+The trainer is glue. It wires the pure functions of `weights`, `advantages`, `per_sample` and `snr` into the hooks of
+TRL 1.16 that DESIGN §3 names:
+
+* advantages are recomputed at the end of `_generate_and_score_completions`, on the rewards and weights gathered from
+  every process, before the generation batch is split into micro-batches (a group can span ranks and micro-batches);
+* each optimizer step's ‖μ‖² and tr Σ are measured from the micro-batch gradients (hooks on the parameters) and the
+  pre-clip step gradient (`_get_grad_norm`), and the learning rate of the next optimizer step is scaled by f_t.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import textwrap
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate.utils import is_peft_model
+from transformers import TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from trl import GRPOTrainer
+from trl.trainer.utils import add_fused_lm_head, get_config_model_id
+
+from .advantages import aggregate_rewards, gradient_weighted_advantages
+from .config import OBLRPOConfig
+from .optim_hooks import MicroBatchGradSqNorms, StepLearningRateScale, innermost_optimizer
+from .per_sample import per_sample_grad_sq_norms, row_objective
+from .snr import NoiseEstimate, SNRLearningRateController, per_sample_noise_estimate, two_batch_noise_estimate
+from .weights import length_weights, logit_proxy_weights, uniform_weights
+
+__all__ = ["OBLRPOTrainer"]
+
+STATE_FILE = "oblr_state.json"
+
+# Keys of TRL's generation output that `_get_per_token_logps_and_entropies` takes as keyword arguments.
+_MULTIMODAL_KEYS = (
+    "pixel_values",
+    "image_grid_thw",
+    "num_images",
+    "pixel_attention_mask",
+    "spatial_shapes",
+    "num_tiles",
+    "image_sizes",
+    "token_type_ids",
+    "mm_token_type_ids",
+    "image_position_ids",
+)
+
+
+class _LearningRateFactorCallback(TrainerCallback):
+    """Hooks the learning-rate factor onto the optimizer once it is final (DeepSpeed builds its own in `prepare`), and
+    fixes each optimizer step's factor before its first micro-batch (DeepSpeed steps inside the last `backward`)."""
+
+    def __init__(self, trainer: OBLRPOTrainer):
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.trainer._attach_lr_factor()
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.trainer._step_lr_factor = self.trainer._next_lr_factor
+
+
+class OBLRPOTrainer(GRPOTrainer):
+    """Trainer for OBLR-PO (Optimal Baseline and Learning-Rate Policy Optimization, arXiv 2511.23310).
+
+    A drop-in replacement for [`~trl.GRPOTrainer`] (same arguments) that changes two things:
+
+    1. Advantages are r_i − b_i with the variance-optimal, gradient-weighted baseline
+       b_i = Σ_{j≠i} w_j r_j / Σ_{j≠i} w_j, w_j ∝ ‖∇_θ log π(o_j|q)‖² (see `OBLRPOConfig.baseline_weights`).
+    2. The scheduled learning rate of each optimizer step is multiplied by f_t = N·SNR/(1 + N·SNR), SNR = ‖μ‖²/tr Σ
+       measured from the gradients (see `OBLRPOConfig.use_snr_lr`).
+
+    Example:
+
+    ```python
+    from oblr_trl import OBLRPOConfig, OBLRPOTrainer
+
+    trainer = OBLRPOTrainer(
+        model="Qwen/Qwen3-4B-Base",
+        reward_funcs=accuracy_reward,
+        args=OBLRPOConfig(output_dir="qwen3-oblrpo", gradient_accumulation_steps=8),
+        train_dataset=dataset,
+    )
+    trainer.train()
+    ```
+
+    Args:
+        model, reward_funcs, **kwargs: as for [`~trl.GRPOTrainer`].
+        args ([`OBLRPOConfig`], *optional*): configuration; a default one is built when `None`.
+    """
+
+    _tag_names = ["trl", "oblr-po"]
+    _name = "OBLR-PO"
+    _paper = {
+        "title": "OBLR-PO: A Theoretical Framework for Stable Reinforcement Learning",
+        "id": "2511.23310",
+        # docstyle-ignore
+        "citation": textwrap.dedent("""\
+            @article{huang2025oblrpo,
+                title        = {{OBLR-PO: A Theoretical Framework for Stable Reinforcement Learning}},
+                author       = {Zixun Huang and Jiayi Sheng and Zeyu Zheng},
+                year         = 2025,
+                eprint       = {arXiv:2511.23310},
+            }"""),
+    }
+
+    def __init__(self, model, reward_funcs=None, args: OBLRPOConfig | None = None, *trainer_args, **trainer_kwargs):
+        if args is None:
+            model_name = model if isinstance(model, str) else get_config_model_id(model.config)
+            args = OBLRPOConfig(f"{model_name.split('/')[-1]}-OBLR-PO")
+        elif not isinstance(args, OBLRPOConfig):
+            raise TypeError(
+                f"OBLRPOTrainer needs an OBLRPOConfig, got {type(args).__name__}. OBLRPOConfig takes every GRPOConfig "
+                "argument: replace `GRPOConfig(...)` with `OBLRPOConfig(...)`."
+            )
+        super().__init__(model, reward_funcs, args, *trainer_args, **trainer_kwargs)
+        self._check_supported(args)
+
+        self._policy_module = self.model.get_base_model() if is_peft_model(self.model) else self.model
+        self._log_sum_sq_forward = self._make_log_sum_sq_forward() if args.baseline_weights == "logit" else None
+        self._gathered_rewards_per_func: torch.Tensor | None = None
+        self._loss_outputs: tuple[torch.Tensor, ...] | None = None
+        self._warned_no_reuse = False
+
+        # SNR-driven learning rate
+        self.snr_controller = SNRLearningRateController(args.snr_ema_decay, args.snr_warmup_steps, args.snr_lr_floor)
+        # f_t of step t comes from the estimates of steps < t: under DeepSpeed the optimizer steps inside the last
+        # backward, before step t's gradient norm exists, and a batch's own noise should not size its own step.
+        self._step_lr_factor = self._next_lr_factor = 1.0
+        self._lr_scale: StepLearningRateScale | None = None
+        self._micro_batch_norms: MicroBatchGradSqNorms | None = None
+        self._step_micro_batches = 0
+        self._step_samples = 0
+        self._step_per_sample_sq = torch.zeros((), dtype=torch.float32)
+        if args.use_snr_lr:
+            self._micro_batch_norms = MicroBatchGradSqNorms(self._trainable_parameters())
+            self.add_callback(_LearningRateFactorCallback(self))
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Set-up
+    # ------------------------------------------------------------------------------------------------------------
+
+    def _check_supported(self, args: OBLRPOConfig) -> None:
+        per_sample_grads = args.baseline_weights == "exact" or (args.use_snr_lr and args.snr_estimator == "per_sample")
+        if per_sample_grads and (self.is_deepspeed_enabled or self.is_fsdp_enabled):
+            raise ValueError(
+                "Invalid configuration: baseline_weights='exact' and snr_estimator='per_sample' compute per-sample "
+                "gradients with torch.autograd.grad, which needs unsharded parameters. Allowed with DeepSpeed/FSDP: "
+                "baseline_weights in ('logit', 'length', 'uniform') and snr_estimator='two_batch'."
+            )
+        if args.baseline_weights == "exact" and self._is_vlm:
+            raise ValueError(
+                "Invalid value for `baseline_weights`: 'exact' is not supported for vision-language models. Allowed "
+                "values for them: 'logit', 'length', 'uniform'."
+            )
+
+    def _trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def _make_log_sum_sq_forward(self):
+        """A second fused-LM-head forward of the policy that also returns log Σ_v p_v², without changing TRL's.
+
+        `add_fused_lm_head` replaces `forward` on the instance; patch once more with the extra output, keep that
+        bound method, and put TRL's forward back.
+        """
+        module = self._policy_module
+        trl_forward = module.forward
+        add_fused_lm_head(
+            module,
+            temperature=self.temperature,
+            cast_lm_head_to_fp32=self.args.cast_lm_head_to_fp32,
+            outputs=("log_probs", "log_sum_sq_probs"),
+        )
+        log_sum_sq_forward = module.forward
+        module.forward = trl_forward
+        return log_sum_sq_forward
+
+    @contextlib.contextmanager
+    def _recording_log_sum_sq(self):
+        """While active, fused forwards of the policy also compute log Σ p², recorded as (log_probs, log_sum_sq)."""
+        module, trl_forward, record = self._policy_module, self._policy_module.forward, []
+
+        def recording_forward(*args, **kwargs):
+            outputs = self._log_sum_sq_forward(*args, **kwargs)
+            if kwargs.get("fused_lm_head"):
+                record.append((outputs.log_probs, outputs.log_sum_sq_probs))
+            return outputs
+
+        module.forward = recording_forward
+        try:
+            yield record
+        finally:
+            module.forward = trl_forward
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Advantages (DESIGN §2, §3)
+    # ------------------------------------------------------------------------------------------------------------
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        self._gathered_rewards_per_func = rewards_per_func  # gathered over processes, group by group
+        return rewards_per_func
+
+    def _generate_and_score_completions(self, inputs):
+        reuse = self._log_sum_sq_forward is not None and self._trl_computes_old_logps()
+        with self._recording_log_sum_sq() if reuse else contextlib.nullcontext() as record:
+            output = super()._generate_and_score_completions(inputs)
+        mode = "train" if self.model.training else "eval"
+        local_weights = self._completion_weights(output, record if reuse else None, mode)
+        self._replace_advantages(output, local_weights, mode)
+        return output
+
+    def _trl_computes_old_logps(self) -> bool:
+        # The condition under which GRPOTrainer runs its own no-grad forward of the policy (old_per_token_logps).
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        return self.args.gradient_accumulation_steps % generate_every != 0 or (
+            self.use_vllm and self.vllm_importance_sampling_correction
+        )
+
+    def _loss_mask(self, output: dict[str, Any]) -> torch.Tensor:
+        mask = output["completion_mask"]
+        return mask if "tool_mask" not in output else mask * output["tool_mask"]
+
+    def _importance_scale(self, output: dict[str, Any]) -> torch.Tensor | None:
+        """ρ (per sequence or per token) when vLLM IS correction is on and the baseline should account for it."""
+        if self.args.importance_weighted_baseline and "importance_sampling_ratio" in output:
+            return output["importance_sampling_ratio"]
+        return None
+
+    def _completion_weights(self, output: dict[str, Any], record: list | None, mode: str) -> torch.Tensor:
+        """Local weights w_i, one per completion of this process (DESIGN §2 table)."""
+        mask = self._loss_mask(output)
+        ratio = self._importance_scale(output)
+        estimator = self.args.baseline_weights
+        if estimator == "uniform":
+            return uniform_weights(mask)
+        token_scale = None if ratio is None else ratio.float().square()
+        if estimator == "length":
+            return length_weights(mask, token_scale)
+        if estimator == "logit":
+            log_probs, log_sum_sq = self._logit_weight_inputs(output, record, mode)
+            return logit_proxy_weights(log_probs, log_sum_sq, mask, token_scale)
+        return self._exact_weights(output, mask, ratio)
+
+    def _logit_weight_inputs(
+        self, output: dict[str, Any], record: list | None, mode: str
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """log p_t(y_t) and log Σ_v p_t(v)² of the completion tokens, from TRL's forward if it ran one, else our own."""
+        logits_to_keep = output["completion_ids"].size(1)
+        if record is not None and "old_per_token_logps" in output:
+            chunks = record[: math.ceil(output["completion_ids"].size(0) / self._forward_batch_size(mode))]
+            if chunks:
+                log_probs = torch.cat([lp for lp, _ in chunks])[:, -logits_to_keep:]
+                if log_probs.shape == output["old_per_token_logps"].shape and torch.equal(
+                    log_probs, output["old_per_token_logps"]
+                ):
+                    self._metrics[mode]["oblr/weights/reused_forward"].append(1.0)
+                    return log_probs, torch.cat([lss for _, lss in chunks])[:, -logits_to_keep:]
+            if not self._warned_no_reuse:
+                warnings.warn("Could not reuse TRL's no-grad forward for the logit weights; running a separate one.")
+                self._warned_no_reuse = True
+        self._metrics[mode]["oblr/weights/reused_forward"].append(0.0)
+        input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
+        attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+        multimodal = {key: output[key] for key in _MULTIMODAL_KEYS if key in output}
+        with torch.no_grad(), self._recording_log_sum_sq() as record:
+            log_probs, _, _ = self._get_per_token_logps_and_entropies(
+                self.model,
+                input_ids,
+                attention_mask,
+                logits_to_keep,
+                batch_size=self._forward_batch_size(mode),
+                **multimodal,
+            )
+        return log_probs, torch.cat([lss for _, lss in record])[:, -logits_to_keep:]
+
+    def _forward_batch_size(self, mode: str) -> int:
+        return self.args.per_device_train_batch_size if mode == "train" else self.args.per_device_eval_batch_size
+
+    def _exact_weights(self, output: dict[str, Any], mask: torch.Tensor, ratio: torch.Tensor | None) -> torch.Tensor:
+        """w_i = ‖∇_θ Σ_t ρ_t log p_t(y_t)‖² over the trainable parameters, one backward per completion."""
+        input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
+        attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+        logits_to_keep = output["completion_ids"].size(1)
+        token_weight = mask.float() if ratio is None else mask.float() * ratio.float()
+
+        def log_likelihood(i: int) -> torch.Tensor:
+            log_probs, _, _ = self._get_per_token_logps_and_entropies(
+                self.model, input_ids[i : i + 1], attention_mask[i : i + 1], logits_to_keep
+            )
+            return (log_probs * token_weight[i : i + 1]).sum()
+
+        with torch.enable_grad():
+            return per_sample_grad_sq_norms(log_likelihood, input_ids.size(0), self._trainable_parameters())
+
+    def _replace_advantages(self, output: dict[str, Any], local_weights: torch.Tensor, mode: str) -> None:
+        """Swap TRL's group-mean advantages for r_i − b_i computed on the gathered rewards and weights."""
+        num_generations = self.num_generations if mode == "train" else self.num_generations_eval
+        weights = self.accelerator.gather(local_weights.float().contiguous())
+        rewards = aggregate_rewards(
+            self._gathered_rewards_per_func, self.reward_weights, num_generations, self.multi_objective_aggregation
+        )
+        result = gradient_weighted_advantages(
+            rewards, weights, num_generations, self.args.leave_one_out, self.scale_rewards
+        )
+        local = output["completion_ids"].size(0)
+        process_slice = slice(self.accelerator.process_index * local, (self.accelerator.process_index + 1) * local)
+        output["advantages"] = result.advantages[process_slice].to(output["advantages"])
+
+        # TRL logged its own advantages for the completions table; replace them with the ones used.
+        for _ in range(min(len(result.advantages), len(self._logs["advantages"]))):
+            self._logs["advantages"].pop()
+        self._logs["advantages"].extend(result.advantages.tolist())
+        self._log_advantage_metrics(result, weights, num_generations, mode)
+
+    def _log_advantage_metrics(self, result, weights: torch.Tensor, num_generations: int, mode: str) -> None:
+        metrics = self._metrics[mode]
+        scored = result.scored
+        metrics["oblr/unscorable_frac"].append(1.0 - scored.float().mean().item())
+        if not scored.any():
+            return
+        metrics["oblr/baseline_mean"].append(torch.nanmean(result.baseline).item())
+        metrics["oblr/advantage_mean"].append(result.advantages[scored].mean().item())
+        metrics["oblr/advantage_std"].append(result.advantages[scored].std(unbiased=False).item())
+        metrics["oblr/loo_fallback_frac"].append(result.fallback[scored].float().mean().item())
+        usable = scored & torch.isfinite(weights)
+        if usable.any():
+            metrics["oblr/weights/mean"].append(weights[usable].mean().item())
+        grouped = torch.where(usable, weights, torch.full_like(weights, float("nan"))).view(-1, num_generations)
+        largest = torch.nan_to_num(grouped, nan=-math.inf).amax(dim=1)
+        smallest = torch.nan_to_num(grouped, nan=math.inf).amin(dim=1)
+        spread = (largest / smallest)[(smallest > 0) & torch.isfinite(largest)]
+        if spread.numel():
+            metrics["oblr/weights/group_max_min_ratio"].append(spread.mean().item())
+
+    # ------------------------------------------------------------------------------------------------------------
+    # SNR-driven learning rate (DESIGN §2, §3)
+    # ------------------------------------------------------------------------------------------------------------
+
+    def _get_per_token_logps_and_entropies(self, model, *args, **kwargs):
+        result = super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
+        if self._loss_outputs is not None and torch.is_grad_enabled():
+            # compute_loss's forward: keep its outputs for the per-sample gradient norms
+            self._loss_outputs = tuple(t for t in result[:2] if t is not None)
+        return result
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        training = self.model.training and torch.is_grad_enabled() and self._micro_batch_norms is not None
+        per_sample = training and self.args.snr_estimator == "per_sample"
+        if per_sample:
+            self._loss_outputs = ()
+        try:
+            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            if per_sample:
+                self._step_per_sample_sq = self._step_per_sample_sq.to(loss.device) + self._per_row_grad_sq(loss)
+        finally:
+            self._loss_outputs = None
+        if training:
+            self._step_micro_batches += 1
+            self._step_samples += inputs["completion_ids"].size(0)
+            self._micro_batch_norms.active = True  # the backward that follows is the training one
+        return loss
+
+    def _per_row_grad_sq(self, loss: torch.Tensor) -> torch.Tensor:
+        """Σ_i ‖∂loss_i/∂θ‖² over the rows of this micro-batch, by one autograd.grad per row (see `row_objective`)."""
+        outputs = [t for t in self._loss_outputs if t.requires_grad]
+        output_grads = torch.autograd.grad(loss, outputs, retain_graph=True, allow_unused=True)
+        pairs = [(o, g) for o, g in zip(outputs, output_grads, strict=True) if g is not None]
+        objective = row_objective([o for o, _ in pairs], [g for _, g in pairs])
+        norms = per_sample_grad_sq_norms(objective, outputs[0].size(0), self._trainable_parameters(), retain_graph=True)
+        return norms.sum()
+
+    def training_step(self, model, inputs, num_items_in_batch):
+        try:
+            return super().training_step(model, inputs, num_items_in_batch)
+        finally:
+            if self._micro_batch_norms is not None:
+                self._micro_batch_norms.active = False
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        grad_norm = super()._get_grad_norm(model, grad_norm=grad_norm)
+        if self._micro_batch_norms is not None:
+            self._record_noise_estimate(float(grad_norm))
+        return grad_norm
+
+    def _record_noise_estimate(self, grad_norm: float) -> None:
+        """Measure ‖μ‖² and tr Σ of the step that just finished and set the factor of the next one.
+
+        Scales (W processes, K micro-batches h_k in all, N samples): the optimizer's gradient is G_N = (1/W) Σ_k h_k,
+        so the micro-batch estimate of the same mean is (K/W)·h_k and |G_b|² = K Σ_k ‖h_k‖² / W², with b = N/K.
+        Per-sample: the estimate from row i is (N/W)·c_i, with c_i its contribution to Σ_k h_k.
+        """
+        device = self.accelerator.device
+        stats = torch.stack(
+            [
+                self._micro_batch_norms.pop(device),
+                torch.tensor(float(self._step_micro_batches), device=device),
+                torch.tensor(float(self._step_samples), device=device),
+                self._step_per_sample_sq.to(device),
+            ]
+        )
+        self._step_micro_batches, self._step_samples = 0, 0
+        self._step_per_sample_sq = torch.zeros((), dtype=torch.float32)
+        micro_sq, micro_batches, samples, per_sample_sq = self.accelerator.reduce(stats, reduction="sum").tolist()
+        processes = self.accelerator.num_processes
+        full_sq = grad_norm**2
+        metrics = self._metrics["train"]
+        metrics["snr/full_batch_grad_sq_norm"].append(full_sq)
+
+        two_batch = None
+        if micro_batches >= 2:
+            two_batch = two_batch_noise_estimate(
+                micro_batches * micro_sq / processes**2, samples / micro_batches, full_sq, samples
+            )
+            metrics["snr/small_batch_grad_sq_norm"].append(micro_batches * micro_sq / processes**2)
+        if self.args.snr_estimator == "per_sample":
+            estimate = per_sample_noise_estimate((samples / processes) ** 2 * per_sample_sq, full_sq, samples)
+            if two_batch is not None:
+                metrics["snr/two_batch/grad_sq_norm"].append(two_batch.grad_sq_norm)
+                metrics["snr/two_batch/trace_cov"].append(two_batch.trace_cov)
+        else:
+            estimate = two_batch if two_batch is not None else NoiseEstimate(float("nan"), float("nan"))
+
+        if self.snr_controller.update(estimate):
+            metrics["snr/grad_sq_norm"].append(estimate.grad_sq_norm)
+            metrics["snr/trace_cov"].append(estimate.trace_cov)
+        metrics["snr/skipped_steps"].append(float(self.snr_controller.skipped))
+        snr = self.snr_controller.snr
+        metrics["snr/grad_sq_norm_ema"].append(self.snr_controller.grad_sq_norm.value)
+        metrics["snr/trace_cov_ema"].append(self.snr_controller.trace_cov.value)
+        metrics["snr/snr"].append(snr if math.isfinite(snr) else float("nan"))
+        metrics["snr/noise_scale"].append(1.0 / snr if math.isfinite(snr) and snr > 0 else float("nan"))
+        self._next_lr_factor = self.snr_controller.factor(samples)
+
+    def _attach_lr_factor(self) -> None:
+        """Scale the steps of the optimizer that updates the parameters; a no-op if it is already hooked."""
+        if self._lr_scale is not None:
+            if self._lr_scale.optimizer is innermost_optimizer(self.optimizer):
+                return
+            self._lr_scale.remove()
+        self._lr_scale = StepLearningRateScale(self.optimizer, lambda: self._step_lr_factor, self._log_lr_factor)
+
+    def create_optimizer(self, model=None):
+        optimizer = super().create_optimizer(model)
+        if self._micro_batch_norms is not None:
+            self._attach_lr_factor()
+        return optimizer
+
+    def _log_lr_factor(self, scheduled_lr: float, factor: float) -> None:
+        self._metrics["train"]["snr/lr_factor"].append(factor)
+        self._metrics["train"]["snr/effective_lr"].append(scheduled_lr * factor)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Checkpoints: the SNR state travels with them
+    # ------------------------------------------------------------------------------------------------------------
+
+    def _save_checkpoint(self, model, trial):
+        super()._save_checkpoint(model, trial)
+        if self.args.should_save and self._micro_batch_norms is not None:
+            folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+            state = {"snr_controller": self.snr_controller.state_dict(), "next_lr_factor": self._next_lr_factor}
+            (folder / STATE_FILE).write_text(json.dumps(state, indent=2))
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None or self._micro_batch_norms is None:
+            return
+        path = os.path.join(checkpoint, STATE_FILE)
+        if not os.path.exists(path):
+            warnings.warn(
+                f"{checkpoint} has no {STATE_FILE} (saved by an older version or without use_snr_lr): the SNR "
+                "averages restart from scratch, with a new warm-up."
+            )
+            return
+        state = json.loads(Path(path).read_text())
+        self.snr_controller.load_state_dict(state["snr_controller"])
+        self._next_lr_factor = float(state["next_lr_factor"])

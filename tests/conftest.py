@@ -1,0 +1,112 @@
+"""Shared fixtures: tiny local models, datasets, reward functions and a trainer factory. Nothing touches the Hub."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+os.environ.setdefault("WANDB_MODE", "disabled")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest
+import torch
+
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+def digit_fraction_reward(completions, **kwargs):
+    """Share of digits in the completion: varies between completions of a random tiny model."""
+    texts = [c if isinstance(c, str) else c[0]["content"] for c in completions]
+    return [sum(ch.isdigit() for ch in t) / max(len(t), 1) for t in texts]
+
+
+def vowel_reward(completions, **kwargs):
+    texts = [c if isinstance(c, str) else c[0]["content"] for c in completions]
+    return [float(sum(ch in "aeiou" for ch in t)) for t in texts]
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from oblr_trl.testing import tiny_tokenizer
+
+    return tiny_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_policy_pools(tokenizer):
+    """Two independent pools (512 and 1024 completions) from a tiny policy, with exact per-sample gradients."""
+    from tiny_policy import peaked_tiny_policy, sample_pool
+
+    model = peaked_tiny_policy(tokenizer)
+    prompt_ids = torch.tensor([tokenizer("7+5=").input_ids])
+    return (
+        sample_pool(model, tokenizer, prompt_ids, 512, 6, seed=0),
+        sample_pool(model, tokenizer, prompt_ids, 1024, 6, seed=1),
+    )
+
+
+@pytest.fixture
+def prompt_dataset():
+    from datasets import Dataset
+
+    return Dataset.from_dict({"prompt": [f"{a}+{b}=" for a in range(4) for b in range(4)]})
+
+
+@pytest.fixture
+def conversational_dataset():
+    from datasets import Dataset
+
+    return Dataset.from_dict(
+        {"prompt": [[{"role": "user", "content": f"What is {a}+{b}?"}] for a in range(4) for b in range(4)]}
+    )
+
+
+def base_config_kwargs(tmp_path, **overrides):
+    kwargs = dict(
+        output_dir=str(tmp_path / "run"),
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        num_generations=4,
+        max_completion_length=8,
+        # a random tiny model rarely samples EOS: bias it (+3 on the logit, ~17% per token) so completion lengths vary
+        generation_kwargs={"sequence_bias": [[[1], 3.0]]},
+        max_steps=2,
+        learning_rate=1e-2,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        bf16=False,
+        gradient_checkpointing=False,
+        snr_warmup_steps=0,
+        seed=0,
+        dataloader_num_workers=0,
+    )
+    kwargs.update(overrides)
+    return kwargs
+
+
+@pytest.fixture
+def make_trainer(tmp_path, tokenizer, prompt_dataset):
+    """Build an OBLRPOTrainer on a fresh tiny model; keyword arguments override the config."""
+    from oblr_trl import OBLRPOConfig, OBLRPOTrainer
+    from oblr_trl.testing import tiny_causal_lm
+
+    def factory(
+        reward_funcs=None, dataset=None, model=None, trainer_cls=OBLRPOTrainer, callbacks=None, peft_config=None,
+        **overrides,
+    ):
+        args = OBLRPOConfig(**base_config_kwargs(tmp_path, **overrides))
+        return trainer_cls(
+            model=model if model is not None else tiny_causal_lm(tokenizer),
+            reward_funcs=reward_funcs or [digit_fraction_reward],
+            args=args,
+            train_dataset=dataset if dataset is not None else prompt_dataset,
+            processing_class=tokenizer,
+            callbacks=callbacks,
+            peft_config=peft_config,
+        )
+
+    return factory

@@ -1,0 +1,88 @@
+"""Acceptance 8: bad configuration values raise ValueError naming the field and the allowed values, before any model
+is loaded; and the defaults that differ from GRPOConfig."""
+
+import pytest
+from trl import GRPOConfig
+
+from oblr_trl import OBLRPOConfig, OBLRPOTrainer
+
+
+def make(tmp_path, **kwargs):
+    defaults = dict(
+        output_dir=str(tmp_path), report_to=[], gradient_accumulation_steps=2, per_device_train_batch_size=4, bf16=False,
+        num_generations=4,
+    )
+    return OBLRPOConfig(**{**defaults, **kwargs})
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "allowed"),
+    [
+        ("baseline_weights", "gradient", "'logit', 'length', 'exact', 'uniform'"),
+        ("snr_estimator", "three_batch", "'two_batch', 'per_sample'"),
+        ("scale_rewards", "std", "'none', 'group', 'batch'"),
+        ("multi_objective_aggregation", "max", "'sum_then_normalize', 'normalize_then_sum'"),
+        ("snr_ema_decay", 1.0, "[0, 1)"),
+        ("snr_ema_decay", -0.1, "[0, 1)"),
+        ("snr_warmup_steps", -1, ">= 0"),
+        ("snr_warmup_steps", 1.5, ">= 0"),
+        ("snr_lr_floor", 0.0, "(0, 1]"),
+        ("snr_lr_floor", 1.5, "(0, 1]"),
+    ],
+)
+def test_bad_values_name_field_and_allowed_values(tmp_path, field, value, allowed):
+    with pytest.raises(ValueError) as error:
+        make(tmp_path, **{field: value})
+    message = str(error.value)
+    assert f"`{field}`" in message and repr(value) in message and allowed in message
+
+
+def test_one_observable_batch_size_is_refused_for_two_batch(tmp_path):
+    """With one process and gradient_accumulation_steps=1 the two-batch estimator cannot measure anything: the
+    configuration is refused (no silent no-op) and the message lists the ways out."""
+    with pytest.raises(ValueError) as error:
+        make(tmp_path, gradient_accumulation_steps=1)
+    message = str(error.value)
+    assert "`snr_estimator`" in message and "gradient_accumulation_steps" in message and "per_sample" in message
+    # each way out is accepted
+    make(tmp_path, gradient_accumulation_steps=1, snr_estimator="per_sample")
+    make(tmp_path, gradient_accumulation_steps=1, use_snr_lr=False)
+    make(tmp_path, gradient_accumulation_steps=2)
+
+
+def test_per_sample_needs_two_samples_per_step(tmp_path):
+    with pytest.raises(ValueError, match="`snr_estimator`"):
+        make(tmp_path, gradient_accumulation_steps=1, per_device_train_batch_size=1, num_generations=2,
+             generation_batch_size=2, snr_estimator="per_sample")
+
+
+def test_defaults_follow_the_theory(tmp_path):
+    config = make(tmp_path)
+    assert config.scale_rewards == "none" and GRPOConfig.scale_rewards == "group"
+    assert (config.baseline_weights, config.leave_one_out, config.use_snr_lr, config.snr_estimator) == (
+        "logit", True, True, "two_batch"
+    )
+    assert make(tmp_path, scale_rewards=True).scale_rewards == "group"
+
+
+def test_trainer_refuses_a_plain_grpo_config(tmp_path, tokenizer):
+    from oblr_trl.testing import tiny_causal_lm
+
+    with pytest.raises(TypeError, match="OBLRPOConfig"):
+        OBLRPOTrainer(
+            model=tiny_causal_lm(tokenizer), reward_funcs=[], args=GRPOConfig(output_dir=str(tmp_path), bf16=False)
+        )
+
+
+def test_every_new_field_is_documented():
+    from dataclasses import fields
+
+    new = {f.name for f in fields(OBLRPOConfig)} - {f.name for f in fields(GRPOConfig)}
+    assert new == {
+        "baseline_weights", "leave_one_out", "importance_weighted_baseline", "use_snr_lr", "snr_estimator",
+        "snr_ema_decay", "snr_warmup_steps", "snr_lr_floor",
+    }
+    for f in fields(OBLRPOConfig):
+        if f.name in new or f.name == "scale_rewards":
+            assert len(f.metadata.get("help", "")) > 40, f.name
+            assert f.name in OBLRPOConfig.__doc__, f.name

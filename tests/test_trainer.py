@@ -1,0 +1,221 @@
+"""Acceptance 6: the trainer's advantages are the pure functions applied to the gathered rewards and weights, every
+weight option matters, and the learning rate seen by the optimizer is the schedule times the logged f_t."""
+
+import math
+
+import pytest
+import torch
+from transformers import TrainerCallback
+
+from oblr_trl import OBLRPOTrainer, aggregate_rewards, gradient_weighted_advantages
+from oblr_trl.optim_hooks import innermost_optimizer
+from oblr_trl.weights import log_sum_sq_probs, logit_proxy_weights
+
+from conftest import digit_fraction_reward, vowel_reward
+
+
+def reference_weights(model, output, estimator, temperature):
+    """w_i recomputed independently of the trainer: a plain forward with full logits, autograd for `exact`."""
+    prompt_ids, completion_ids = output["prompt_ids"], output["completion_ids"]
+    mask = output["completion_mask"]
+    input_ids = torch.cat([prompt_ids, completion_ids], 1)
+    attention_mask = torch.cat([output["prompt_mask"], mask], 1)
+    width = completion_ids.size(1)
+    if estimator == "uniform":
+        return torch.ones(len(input_ids))
+    if estimator == "length":
+        return mask.sum(1).float()
+    if estimator == "logit":
+        with torch.no_grad():
+            logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, -width - 1 : -1] / temperature
+        log_probs = torch.log_softmax(logits.float(), -1).gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
+        return logit_proxy_weights(log_probs, log_sum_sq_probs(logits), mask)
+    params = [p for p in model.parameters() if p.requires_grad]
+    norms = []
+    for i in range(len(input_ids)):
+        logits = model(input_ids=input_ids[i : i + 1], attention_mask=attention_mask[i : i + 1]).logits
+        logits = logits[:, -width - 1 : -1].float() / temperature
+        log_probs = torch.log_softmax(logits, -1).gather(-1, completion_ids[i : i + 1].unsqueeze(-1)).squeeze(-1)
+        grads = torch.autograd.grad((log_probs * mask[i : i + 1]).sum(), params, allow_unused=True)
+        norms.append(sum(g.pow(2).sum() for g in grads if g is not None))
+    return torch.stack(norms).detach()
+
+
+class CapturingTrainer(OBLRPOTrainer):
+    """Records every generation batch's output together with independently recomputed weights."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.captured = []
+
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        weights = reference_weights(self.model, output, self.args.baseline_weights, self.temperature)
+        self.captured.append(({k: v for k, v in output.items() if torch.is_tensor(v)}, weights))
+        return output
+
+
+def recording(reward_func, sink):
+    def recorded(completions, **kwargs):
+        rewards = reward_func(completions, **kwargs)
+        sink.append(torch.tensor(rewards, dtype=torch.float32))
+        return rewards
+
+    recorded.__name__ = reward_func.__name__
+    return recorded
+
+
+def run_capturing(make_trainer, **overrides):
+    digits, vowels = [], []
+    trainer = make_trainer(
+        reward_funcs=[recording(digit_fraction_reward, digits), recording(vowel_reward, vowels)],
+        trainer_cls=CapturingTrainer,
+        reward_weights=[1.0, 0.5],
+        **overrides,
+    )
+    trainer.train()
+    return trainer, [torch.stack([d, v], dim=1) for d, v in zip(digits, vowels)]
+
+
+CASES = [
+    {"baseline_weights": "logit"},
+    {"baseline_weights": "logit", "temperature": 0.7, "leave_one_out": False},
+    {"baseline_weights": "length", "scale_rewards": "group"},
+    {"baseline_weights": "exact"},
+    {"baseline_weights": "uniform", "multi_objective_aggregation": "normalize_then_sum", "scale_rewards": "batch"},
+]
+
+
+@pytest.mark.parametrize("overrides", CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_advantages_equal_pure_functions_of_gathered_inputs(make_trainer, overrides):
+    trainer, rewards_per_func = run_capturing(make_trainer, max_steps=2, **overrides)
+    assert len(trainer.captured) == 2
+    compared = 0.0
+    for (output, weights), per_func in zip(trainer.captured, rewards_per_func):
+        rewards = aggregate_rewards(
+            per_func, torch.tensor([1.0, 0.5]), 4, overrides.get("multi_objective_aggregation", "sum_then_normalize")
+        )
+        expected = gradient_weighted_advantages(
+            rewards, weights, 4, overrides.get("leave_one_out", True), overrides.get("scale_rewards", "none")
+        )
+        assert torch.allclose(output["advantages"], expected.advantages, rtol=1e-4, atol=1e-6)
+        compared += expected.advantages.abs().sum().item()
+    assert compared > 0  # not a comparison of zeros
+
+
+def test_each_weight_option_changes_advantages(make_trainer):
+    first_batch = {}
+    for estimator in ("uniform", "logit", "length", "exact"):
+        trainer, rewards = run_capturing(make_trainer, max_steps=1, baseline_weights=estimator)
+        first_batch[estimator] = (trainer.captured[0][0]["advantages"], rewards[0])
+    uniform_advantages, uniform_rewards = first_batch.pop("uniform")
+    for estimator, (advantages, rewards) in first_batch.items():
+        assert torch.equal(rewards, uniform_rewards), f"{estimator}: same seed should give the same completions"
+        assert not torch.allclose(advantages, uniform_advantages), estimator
+
+
+def test_importance_weighted_baseline_squares_the_ratio(make_trainer):
+    """Under vLLM IS correction each token's weight is multiplied by ρ_t² (docs/importance_sampling.md)."""
+    output = {
+        "completion_ids": torch.tensor([[5, 6, 7], [8, 9, 0]]),
+        "completion_mask": torch.tensor([[1, 1, 1], [1, 1, 0]]),
+        "importance_sampling_ratio": torch.tensor([[2.0], [0.5]]),
+    }
+    on = make_trainer(baseline_weights="length")._completion_weights(output, None, "train")
+    off = make_trainer(baseline_weights="length", importance_weighted_baseline=False)._completion_weights(
+        output, None, "train"
+    )
+    assert off.tolist() == [3.0, 2.0]
+    assert on.tolist() == [12.0, 0.5]
+    uniform = make_trainer(baseline_weights="uniform")._completion_weights(output, None, "train")
+    assert uniform.tolist() == [1.0, 1.0]
+
+
+class LearningRateProbe(TrainerCallback):
+    """Reads the optimizer's learning rate from inside each optimizer.step() and the schedule's value for it."""
+
+    def __init__(self):
+        self.trainer = None
+        self.seen = []
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        optimizer = innermost_optimizer(self.trainer.optimizer)
+
+        def probe(optimizer, *_):
+            scheduled = self.trainer.lr_scheduler.get_last_lr()[0]
+            self.seen.append((optimizer.param_groups[0]["lr"], scheduled))
+
+        optimizer.register_step_pre_hook(probe)
+
+
+@pytest.mark.parametrize("use_snr_lr", [False, True])
+def test_learning_rate_is_schedule_times_logged_factor(make_trainer, use_snr_lr):
+    probe = LearningRateProbe()
+    trainer = make_trainer(
+        callbacks=[probe], use_snr_lr=use_snr_lr, max_steps=5, snr_warmup_steps=1, snr_lr_floor=0.05,
+        gradient_accumulation_steps=4, per_device_train_batch_size=2,
+    )
+    probe.trainer = trainer
+    trainer.train()
+    assert len(probe.seen) == 5
+    logged = [h for h in trainer.state.log_history if "loss" in h]
+    assert len({scheduled for _, scheduled in probe.seen}) > 1  # the schedule really moves
+    if not use_snr_lr:
+        assert all(lr == scheduled for lr, scheduled in probe.seen)
+        assert not any(key.startswith("snr/") for h in logged for key in h)
+        return
+    factors = [h["snr/lr_factor"] for h in logged]
+    for (lr, scheduled), factor, h in zip(probe.seen, factors, logged):
+        assert lr == pytest.approx(scheduled * factor, rel=1e-6)
+        assert h["snr/effective_lr"] == pytest.approx(lr, rel=1e-6)
+        assert 0.05 <= factor <= 1.0
+    assert factors[0] == 1.0  # warm-up of 1: step 1 is measured, step 2 is the first to use the estimate
+    assert any(f < 1.0 for f in factors[1:])
+    # after the step, the optimizer is back on the schedule (the scheduler never sees the factor)
+    assert trainer.optimizer.param_groups[0]["lr"] == trainer.lr_scheduler.get_last_lr()[0]
+
+
+def test_snr_guards_and_smoothing_are_applied(make_trainer):
+    trainer = make_trainer(max_steps=4, snr_warmup_steps=2, snr_lr_floor=0.9, snr_ema_decay=0.5)
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if "loss" in h]
+    factors = [h["snr/lr_factor"] for h in logged]
+    assert factors[:2] == [1.0, 1.0]  # warm-up of 2: steps 1 and 2 are measured, step 3 is the first scaled
+    assert factors[2] < 1.0
+    assert all(0.9 <= f <= 1.0 for f in factors)
+    average = 0.0
+    for count, h in enumerate(logged, start=1):
+        average = 0.5 * average + 0.5 * h["snr/trace_cov"]
+        assert h["snr/trace_cov_ema"] == pytest.approx(average / (1 - 0.5**count), rel=1e-5)
+
+
+def test_per_sample_and_two_batch_coincide_with_one_completion_per_micro_batch(make_trainer):
+    """With b = 1 the micro-batch gradients are the per-sample gradients, so the two estimators must agree exactly:
+    a check of the hooks, the per-row gradients and the scale conversions between them."""
+    trainer = make_trainer(
+        snr_estimator="per_sample", per_device_train_batch_size=1, gradient_accumulation_steps=8, max_steps=3
+    )
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if "loss" in h]
+    for h in logged:
+        assert h["snr/two_batch/trace_cov"] == pytest.approx(h["snr/trace_cov"], rel=1e-4)
+        assert h["snr/two_batch/grad_sq_norm"] == pytest.approx(h["snr/grad_sq_norm"], rel=1e-3, abs=1e-9)
+
+
+def test_metrics_are_logged_and_finite(make_trainer):
+    trainer = make_trainer(max_steps=2)
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if "loss" in h][-1]
+    for key in (
+        "oblr/baseline_mean", "oblr/advantage_mean", "oblr/advantage_std", "oblr/weights/mean",
+        "oblr/weights/group_max_min_ratio", "oblr/loo_fallback_frac", "snr/grad_sq_norm", "snr/trace_cov",
+        "snr/snr", "snr/lr_factor", "snr/effective_lr",
+    ):
+        assert key in logged and math.isfinite(logged[key]), key
+
+
+def test_model_card_credits_oblr_po(make_trainer, tmp_path):
+    trainer = make_trainer(max_steps=1)
+    trainer.create_model_card(model_name="tiny-oblr")
+    card = (tmp_path / "run" / "README.md").read_text()
+    assert "OBLR-PO" in card and "2511.23310" in card and "huang2025oblrpo" in card and "oblr-po" in card

@@ -1,0 +1,103 @@
+"""Acceptance 1: the logit-proxy weight equals Σ_t ‖∂ log p_t(y_t)/∂z_t‖² computed by autograd on the logits."""
+
+import pytest
+import torch
+
+from oblr_trl.weights import length_weights, log_sum_sq_probs, logit_gradient_sq_norms, logit_proxy_weights, uniform_weights
+
+
+def autograd_logit_weights(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Σ_t mask_t ‖∂ log softmax(z_t)[y_t] / ∂z_t‖², token by token with autograd (the reference)."""
+    batch, length, _ = logits.shape
+    weights = torch.zeros(batch, dtype=torch.float64)
+    for b in range(batch):
+        for t in range(length):
+            if not mask[b, t]:
+                continue
+            z = logits[b, t].detach().double().requires_grad_(True)
+            (grad,) = torch.autograd.grad(torch.log_softmax(z, -1)[labels[b, t]], z)
+            weights[b] += grad.pow(2).sum()
+    return weights
+
+
+def random_padded_batch(seed=0, batch=5, length=7, vocab=50, scale=3.0):
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(batch, length, vocab, generator=gen) * scale
+    labels = torch.randint(0, vocab, (batch, length), generator=gen)
+    lengths = torch.tensor([7, 4, 1, 0, 6])[:batch]
+    mask = (torch.arange(length).expand(batch, -1) < lengths.unsqueeze(1)).int()
+    return logits, labels, mask
+
+
+def test_logit_proxy_matches_autograd_with_padding():
+    logits, labels, mask = random_padded_batch()
+    log_probs = torch.log_softmax(logits, -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    # padding positions carry garbage, as they can in a batch: they must not leak in
+    log_probs = torch.where(mask.bool(), log_probs, torch.full_like(log_probs, float("nan")))
+    weights = logit_proxy_weights(log_probs, log_sum_sq_probs(logits), mask)
+    reference = autograd_logit_weights(logits, labels, mask)
+    assert weights[3] == 0.0  # an empty completion
+    rel_err = ((weights.double() - reference).abs() / reference.clamp(min=1e-12))[reference > 0]
+    assert rel_err.max() < 1e-5
+
+
+def test_log_sum_sq_probs_is_stable_for_peaked_logits():
+    logits = torch.tensor([[1000.0, 0.0, -1000.0], [0.0, 0.0, 0.0]])
+    expected = torch.log(torch.tensor([1.0, 1.0 / 3.0]))
+    assert torch.allclose(log_sum_sq_probs(logits), expected, atol=1e-6)
+
+
+def test_logit_gradient_sq_norms_is_non_negative_when_certain():
+    log_probs = torch.tensor([[0.0, -1e-9]])
+    log_sum_sq = torch.tensor([[0.0, -2e-9]])
+    assert (logit_gradient_sq_norms(log_probs, log_sum_sq) >= 0).all()
+
+
+def test_token_scale_weights_each_token():
+    log_probs = torch.log(torch.tensor([[0.5, 0.25]]))
+    log_sum_sq = torch.log(torch.tensor([[0.5, 0.3]]))
+    mask = torch.ones(1, 2, dtype=torch.int64)
+    scale = torch.tensor([[4.0, 0.0]])
+    per_token = logit_gradient_sq_norms(log_probs, log_sum_sq)
+    assert torch.allclose(logit_proxy_weights(log_probs, log_sum_sq, mask, scale), 4.0 * per_token[:, 0])
+    assert torch.allclose(length_weights(mask, scale), torch.tensor([4.0]))
+    assert torch.equal(length_weights(mask), torch.tensor([2.0]))
+    assert torch.equal(uniform_weights(mask), torch.tensor([1.0]))
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen3"])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_trainer_logit_weights_match_autograd_on_model_logits(make_trainer, tokenizer, architecture, temperature):
+    """The trainer's weights, from TRL's fused LM head, equal autograd on the model's temperature-scaled logits."""
+    from oblr_trl.testing import tiny_causal_lm
+
+    model = tiny_causal_lm(tokenizer, architecture=architecture, tie_word_embeddings=architecture == "qwen3")
+    trainer = make_trainer(model=model, temperature=temperature)
+    prompts = [tokenizer(p).input_ids for p in ["1+2=", "33+4="]]
+    completions = [tokenizer(c).input_ids for c in ["3<eos>", "37", ""]][:2] + [[]]
+    prompts.append(tokenizer("5=").input_ids)
+    prompt_ids = torch.nn.utils.rnn.pad_sequence(
+        [torch.tensor(p).flip(0) for p in prompts], batch_first=True, padding_value=tokenizer.pad_token_id
+    ).flip(1)
+    prompt_mask = (prompt_ids != tokenizer.pad_token_id).int()
+    width = max(len(c) for c in completions)
+    completion_ids = torch.full((3, width), tokenizer.pad_token_id)
+    completion_mask = torch.zeros(3, width, dtype=torch.int64)
+    for i, c in enumerate(completions):
+        completion_ids[i, : len(c)] = torch.tensor(c, dtype=torch.long)
+        completion_mask[i, : len(c)] = 1
+    output = {
+        "prompt_ids": prompt_ids,
+        "prompt_mask": prompt_mask,
+        "completion_ids": completion_ids,
+        "completion_mask": completion_mask,
+    }
+    weights = trainer._completion_weights(output, None, "train")
+
+    input_ids = torch.cat([prompt_ids, completion_ids], 1)
+    attention_mask = torch.cat([prompt_mask, completion_mask], 1)
+    with torch.no_grad():
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, -width - 1 : -1] / temperature
+    reference = autograd_logit_weights(logits, completion_ids, completion_mask)
+    assert weights[2] == 0.0
+    assert torch.allclose(weights.double(), reference, rtol=1e-5, atol=0)
