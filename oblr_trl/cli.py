@@ -1,63 +1,249 @@
-"""Command line: ``oblr-trl`` / ``python -m oblr_trl``."""
+"""Command line: ``oblr-trl`` or ``python -m oblr_trl`` (also under ``accelerate launch -m oblr_trl``).
+
+* ``train [--config recipe.yaml] [--any_field value ...]``: OBLR-PO from a trl-style YAML recipe; without
+  ``--config``, the embedded quickstart (SmolLM2-135M-Instruct on one-digit arithmetic, CPU).
+* ``eval --model PATH_OR_ID --task TASK``: pass@1 / pass@n, JSON + markdown.
+* ``plot RUN_DIR``: PNG of the training curves.
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
+from dataclasses import dataclass, field, fields
+from importlib import resources
+from pathlib import Path
+
+__all__ = ["TaskArguments", "main", "make_train_parser"]
 
 
-def demo(args: argparse.Namespace) -> int:
-    """A few OBLR-PO steps on a tiny, locally built model: checks an installation in seconds, offline."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from datasets import Dataset
+def embedded_recipe(name: str = "quickstart.yaml") -> Path:
+    return Path(str(resources.files("oblr_trl") / "recipes" / name))
 
-    from . import OBLRPOConfig, OBLRPOTrainer
-    from .testing import tiny_causal_lm, tiny_tokenizer
 
-    tokenizer = tiny_tokenizer()
-    dataset = Dataset.from_dict({"prompt": [f"{a}+{b}=" for a in range(10) for b in range(10)]})
+@dataclass
+class TaskArguments:
+    """What to train on and how it is graded (the `script` part of a recipe)."""
 
-    def digit_reward(completions, **kwargs):
-        return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
-
-    config = OBLRPOConfig(
-        output_dir=args.output_dir,
-        max_steps=args.steps,
-        per_device_train_batch_size=4,
-        gradient_accumulation_steps=2,
-        num_generations=4,
-        max_completion_length=8,
-        learning_rate=1e-2,
-        logging_steps=1,
-        snr_warmup_steps=1,
-        bf16=False,
-        use_cpu=True,
-        report_to=[],
-        save_strategy="no",
-        gradient_checkpointing=False,
+    task: str = field(
+        default="arithmetic",
+        metadata={"help": "Task to train on: gsm8k, math, math500, aime25, amc23, olympiadbench, dapo-math-17k, "
+                  "arithmetic, gsm8k-100 or local (see `oblr-trl tasks`)."},
     )
+    reward_funcs: list[str] = field(
+        default_factory=lambda: ["accuracy"],
+        metadata={"help": "Reward functions by name ('accuracy', 'format') or dotted import path."},
+    )
+    task_limit: int | None = field(default=None, metadata={"help": "Use only the first N problems of the split."})
+    task_prompt_template: str | None = field(
+        default=None, metadata={"help": "User-message template with a '{question}' placeholder (task default if unset)."}
+    )
+    task_system_prompt: str | None = field(default=None, metadata={"help": "Optional system message."})
+    task_digits: int = field(default=1, metadata={"help": "arithmetic: digits per operand."})
+    task_operators: str = field(default="+", metadata={"help": "arithmetic: operators to draw from, over '+-*'."})
+    task_num_problems: int = field(default=1000, metadata={"help": "arithmetic: problems generated per split."})
+    task_path: str | None = field(default=None, metadata={"help": "local: a .jsonl/.json or .parquet file."})
+    task_question_field: str | None = field(default=None, metadata={"help": "local: question column."})
+    task_answer_field: str | None = field(default=None, metadata={"help": "local: gold-answer column."})
+    plot: bool = field(default=True, metadata={"help": "Write training_curves.png into output_dir after training."})
+
+    def options(self):
+        return task_options(self)
+
+
+def task_options(source):
+    """`TaskOptions` from the ``task_*`` attributes of a `TaskArguments` or of `eval`'s parsed flags."""
+    from .tasks import TaskOptions
+
+    return TaskOptions(
+        limit=source.task_limit,
+        prompt_template=source.task_prompt_template,
+        system_prompt=source.task_system_prompt,
+        digits=source.task_digits,
+        operators=source.task_operators,
+        num_problems=source.task_num_problems,
+        path=source.task_path,
+        question_field=source.task_question_field,
+        answer_field=source.task_answer_field,
+    )
+
+
+def make_train_parser():
+    from trl import ModelConfig, TrlParser
+
+    from .config import OBLRPOConfig
+
+    return TrlParser((TaskArguments, OBLRPOConfig, ModelConfig), prog="oblr-trl train")
+
+
+def parse_train_args(argv: list[str]):
+    """(task_args, training_args, model_args, recipe_text) from ``--config`` (or the quickstart) and flags."""
+    argv = list(argv)
+    if "--config" not in argv:
+        argv = ["--config", str(embedded_recipe()), *argv]
+    config_path = Path(argv[argv.index("--config") + 1])
+    overrides = [a for i, a in enumerate(argv) if a != "--config" and (i == 0 or argv[i - 1] != "--config")]
+    parser = make_train_parser()
+    _reject_unknown_fields(parser, config_path)
+    task_args, training_args, model_args = parser.parse_args_and_config(argv)
+    recipe = f"# {config_path.name}\n{config_path.read_text()}"
+    if overrides:
+        recipe += f"\n# command-line overrides: {' '.join(overrides)}\n"
+    return task_args, training_args, model_args, recipe
+
+
+def _reject_unknown_fields(parser, config_path: Path) -> None:
+    """Unknown recipe keys fail before any configuration is built (TrlParser only checks them afterwards)."""
+    import yaml
+
+    recipe = yaml.safe_load(config_path.read_text()) or {}
+    if not isinstance(recipe, dict):
+        raise ValueError(f"{config_path} must contain a YAML mapping of field: value.")
+    known = {action.dest for action in parser._actions} | {"env"}
+    unknown = sorted(set(recipe) - known)
+    if unknown:
+        raise ValueError(
+            f"Unknown fields in {config_path}: {', '.join(unknown)}. Allowed: the fields of TaskArguments, "
+            "OBLRPOConfig (every GRPOConfig field included) and trl.ModelConfig; see `oblr-trl train --help`."
+        )
+
+
+def train(argv: list[str]) -> int:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    task_args, training_args, model_args, recipe = parse_train_args(argv)
+
+    from trl import get_peft_config
+
+    from .models import resolve_model
+    from .plotting import plot_run
+    from .rewards import get_reward_funcs
+    from .tasks import load_task
+    from .trainer import OBLRPOTrainer
+
+    model_path = resolve_model(model_args.model_name_or_path or "builtin:smollm2-135m-instruct")
+    training_args.model_init_kwargs = {
+        "revision": model_args.model_revision,
+        "attn_implementation": model_args.attn_implementation,
+        "dtype": model_args.dtype or "float32",
+        **(training_args.model_init_kwargs or {}),
+    }
     trainer = OBLRPOTrainer(
-        model=tiny_causal_lm(tokenizer),
-        reward_funcs=digit_reward,
-        args=config,
-        train_dataset=dataset,
-        processing_class=tokenizer,
+        model=model_path,
+        reward_funcs=get_reward_funcs(task_args.reward_funcs),
+        args=training_args,
+        train_dataset=load_task(task_args.task, "train", task_args.options()),
+        peft_config=get_peft_config(model_args),
     )
-    trainer.train()
-    last = [h for h in trainer.state.log_history if "loss" in h][-1]
-    print(
-        f"demo finished: {args.steps} steps, reward {last['reward']:.3f}, "
-        f"SNR factor {last['snr/lr_factor']:.3f}, LOO fallbacks {last['oblr/loo_fallback_frac']:.2f}"
+    trainer.recipe = recipe
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    if trainer.preemption.received is not None:
+        return _report_preemption(trainer, argv)
+    trainer.save_model(training_args.output_dir)
+    trainer.save_state()
+    dataset_name = task_args.task
+    trainer.create_model_card(model_name=Path(training_args.output_dir).name, dataset_name=dataset_name)
+    if trainer.is_world_process_zero():
+        if task_args.plot:
+            print(f"training curves: {plot_run(training_args.output_dir)}")
+        _print_reward_change(trainer.state.log_history)
+    if training_args.push_to_hub:
+        trainer.push_to_hub(dataset_name=dataset_name)
+    return 0
+
+
+def _report_preemption(trainer, argv: list[str]) -> int:
+    """Stopped by SIGTERM/SIGINT after saving a checkpoint: say where, how to resume, and exit 128 + signal."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    signum = trainer.preemption.received
+    if trainer.is_world_process_zero():
+        checkpoint = get_last_checkpoint(trainer.args.output_dir)
+        command = " ".join(["oblr-trl", "train", *argv, "--resume_from_checkpoint", str(checkpoint)])
+        print(f"stopped by signal {signum} after step {trainer.state.global_step}; checkpoint: {checkpoint}\n"
+              f"resume with: {command}")
+    return 128 + signum
+
+
+def _print_reward_change(history: list[dict]) -> None:
+    rewards = [entry["reward"] for entry in history if "reward" in entry and "loss" in entry]
+    if len(rewards) >= 2:
+        window = max(1, len(rewards) // 5)
+        first, last = sum(rewards[:window]) / window, sum(rewards[-window:]) / window
+        print(f"mean reward: first {window} logged steps {first:.3f} -> last {window} logged steps {last:.3f}")
+
+
+def evaluate_command(args: argparse.Namespace) -> int:
+    from .evaluation import evaluate, write_eval_report
+
+    result = evaluate(
+        args.model,
+        args.task,
+        n=args.n,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size,
+        backend=args.backend,
+        seed=args.seed,
+        options=task_options(args),
     )
+    output_dir = args.output_dir or os.path.join(args.model if os.path.isdir(args.model) else "runs", "eval")
+    json_path, md_path = write_eval_report(result, output_dir)
+    print(md_path.read_text())
+    print(f"details: {json_path}")
+    return 0
+
+
+def plot_command(args: argparse.Namespace) -> int:
+    from .plotting import plot_run
+
+    print(plot_run(args.run_dir, args.output))
+    return 0
+
+
+def tasks_command(args: argparse.Namespace) -> int:
+    from .tasks import TASKS
+
+    for name, description in TASKS.items():
+        print(f"{name:16s} {description}")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="oblr-trl", description="OBLR-PO for TRL")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["train"]:  # TrlParser owns the whole command line of `train`
+        return train(argv[1:])
+    parser = argparse.ArgumentParser(prog="oblr-trl", description="OBLR-PO for TRL users.")
     commands = parser.add_subparsers(dest="command", required=True)
-    demo_parser = commands.add_parser("demo", help="a few OBLR-PO steps on a tiny local model (seconds, offline)")
-    demo_parser.add_argument("--steps", type=int, default=5)
-    demo_parser.add_argument("--output_dir", default="runs/demo")
-    demo_parser.set_defaults(handler=demo)
+    commands.add_parser("train", help="train from a YAML recipe (default: the embedded quickstart); --help for fields")
+
+    eval_parser = commands.add_parser("eval", help="pass@1 / pass@n of a model on a task")
+    eval_parser.add_argument("--model", required=True, help="Hub id, local path or builtin:smollm2-135m-instruct")
+    eval_parser.add_argument("--task", required=True, help="task name (see `oblr-trl tasks`)")
+    eval_parser.add_argument("--n", type=int, default=1, help="samples per problem")
+    eval_parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    eval_parser.add_argument("--top_p", type=float, default=1.0)
+    eval_parser.add_argument("--max_new_tokens", type=int, default=256)
+    eval_parser.add_argument("--batch_size", type=int, default=16)
+    eval_parser.add_argument("--limit", dest="task_limit", type=int, default=None, help="first N problems only")
+    eval_parser.add_argument("--backend", default="auto", choices=["auto", "transformers", "vllm"])
+    eval_parser.add_argument("--output_dir", default=None, help="default: MODEL/eval, or runs/eval for Hub ids")
+    eval_parser.add_argument("--seed", type=int, default=0, help="sampling seed (the problems do not depend on it)")
+    for task_field in fields(TaskArguments):  # the prompt and problems of the task, exactly as in training
+        if task_field.name.startswith("task_") and task_field.name != "task_limit":
+            eval_parser.add_argument(
+                f"--{task_field.name}", type=int if isinstance(task_field.default, int) else str,
+                default=task_field.default,
+                help=task_field.metadata["help"],
+            )
+    eval_parser.set_defaults(handler=evaluate_command)
+
+    plot_parser = commands.add_parser("plot", help="PNG of a run's training curves")
+    plot_parser.add_argument("run_dir")
+    plot_parser.add_argument("--output", default=None, help="default: RUN_DIR/training_curves.png")
+    plot_parser.set_defaults(handler=plot_command)
+
+    commands.add_parser("tasks", help="list the tasks").set_defaults(handler=tasks_command)
     args = parser.parse_args(argv)
     return args.handler(args)

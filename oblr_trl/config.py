@@ -71,6 +71,16 @@ class OBLRPOConfig(GRPOConfig):
         snr_lr_floor (`float`, *optional*, defaults to `0.1`):
             Smallest factor, in (0, 1]: a flat reward landscape (no signal) cannot stall training.
 
+        > Parameters that control robustness
+
+        skip_nonfinite_steps (`bool`, *optional*, defaults to `True`):
+            Refuse an optimizer step whose loss, gradient norm or learning-rate factor is not finite (the step is
+            skipped, the optimizer state untouched, and `oblr/skipped_nonfinite_steps` counts it) instead of writing
+            NaN into the parameters.
+        save_on_preemption (`bool`, *optional*, defaults to `True`):
+            On SIGTERM or SIGINT, finish the current optimizer step, save a resumable checkpoint and stop (a second
+            SIGINT interrupts at once).
+
     > [!NOTE]
     > Defaults that differ from [`~trl.GRPOConfig`], because the theory says so:
     > - `scale_rewards`: `"none"` instead of `"group"`. The variance-optimal baseline has no std scaling, and dividing
@@ -143,6 +153,22 @@ class OBLRPOConfig(GRPOConfig):
     snr_lr_floor: float = field(
         default=0.1,
         metadata={"help": "Smallest SNR learning-rate factor, in (0, 1]: no signal cannot stall training."},
+    )
+
+    # Parameters that control robustness
+    skip_nonfinite_steps: bool = field(
+        default=True,
+        metadata={
+            "help": "Refuse an optimizer step whose loss, gradient norm or learning-rate factor is not finite (skipped "
+            "and counted in `oblr/skipped_nonfinite_steps`) instead of writing NaN into the parameters."
+        },
+    )
+    save_on_preemption: bool = field(
+        default=True,
+        metadata={
+            "help": "On SIGTERM or SIGINT, finish the current optimizer step, save a resumable checkpoint and stop "
+            "(a second SIGINT interrupts at once)."
+        },
     )
 
     def __post_init__(self):

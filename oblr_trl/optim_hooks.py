@@ -9,6 +9,7 @@ Two small pieces, each the single place that touches a training backend:
 * [`StepLearningRateScale`] multiplies every param group's learning rate by a factor for the duration of one
   ``optimizer.step()`` and puts the scheduled value back afterwards. It hooks the innermost torch optimizer, which
   every backend ends up stepping, also when DeepSpeed runs the step inside ``backward``.
+* [`OptimizerStepGate`] refuses a step (non-finite loss, gradient norm or factor), on the same innermost optimizer.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-__all__ = ["MicroBatchGradSqNorms", "StepLearningRateScale", "innermost_optimizer"]
+__all__ = ["MicroBatchGradSqNorms", "OptimizerStepGate", "StepLearningRateScale", "innermost_optimizer"]
 
 
 class MicroBatchGradSqNorms:
@@ -110,3 +111,27 @@ class StepLearningRateScale:
             handle.remove()
         self._handles = []
 
+
+
+class OptimizerStepGate:
+    """Lets ``optimizer.step()`` through only when ``allowed()`` says so; otherwise the step is skipped entirely.
+
+    Skipping the step (rather than zeroing gradients or the learning rate) also keeps non-finite gradients out of the
+    optimizer's state (Adam's moments). ``on_skip()`` is called for each refused step.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, allowed: Callable[[], bool], on_skip: Callable[[], None]):
+        self.optimizer = innermost_optimizer(optimizer)
+        self._original_step = self.optimizer.step
+        self.allowed, self.on_skip = allowed, on_skip
+
+        def gated_step(*args, **kwargs):
+            if self.allowed():
+                return self._original_step(*args, **kwargs)
+            self.on_skip()
+            return None
+
+        self.optimizer.step = gated_step
+
+    def remove(self) -> None:
+        self.optimizer.step = self._original_step

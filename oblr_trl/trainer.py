@@ -25,11 +25,13 @@ from accelerate.utils import is_peft_model
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
-from trl.trainer.utils import add_fused_lm_head, get_config_model_id
+from trl.trainer.utils import add_fused_lm_head, get_callable_name, get_config_model_id
 
 from .advantages import aggregate_rewards, gradient_weighted_advantages
 from .config import OBLRPOConfig
-from .optim_hooks import MicroBatchGradSqNorms, StepLearningRateScale, innermost_optimizer
+from .optim_hooks import MicroBatchGradSqNorms, OptimizerStepGate, StepLearningRateScale, innermost_optimizer
+from .generation_hooks import GenerationLogitStats
+from .guards import PreemptionSignal, name_reward_errors, validate_training_data
 from .per_sample import per_sample_grad_sq_norms, row_objective
 from .snr import NoiseEstimate, SNRLearningRateController, per_sample_noise_estimate, two_batch_noise_estimate
 from .weights import length_weights, logit_proxy_weights, uniform_weights
@@ -53,18 +55,36 @@ _MULTIMODAL_KEYS = (
 )
 
 
-class _LearningRateFactorCallback(TrainerCallback):
-    """Hooks the learning-rate factor onto the optimizer once it is final (DeepSpeed builds its own in `prepare`), and
-    fixes each optimizer step's factor before its first micro-batch (DeepSpeed steps inside the last `backward`)."""
+def _fit_width(values: torch.Tensor, width: int) -> torch.Tensor:
+    """Cut or zero-pad per-step values ``(B, steps)`` to the padded completion width (padding is masked anyway)."""
+    if values.size(1) >= width:
+        return values[:, :width]
+    return torch.nn.functional.pad(values, (0, width - values.size(1)))
+
+
+class _OBLRPOCallback(TrainerCallback):
+    """The trainer's own hooks into the training loop: optimizer hooks once the optimizer is final (DeepSpeed builds
+    its own in `prepare`), the learning-rate factor of each step fixed before its first micro-batch (DeepSpeed steps
+    inside the last `backward`), and the graceful stop on SIGTERM/SIGINT."""
 
     def __init__(self, trainer: OBLRPOTrainer):
         self.trainer = trainer
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self.trainer._attach_lr_factor()
+        self.trainer._attach_optimizer_hooks()
+        if args.save_on_preemption:
+            self.trainer.preemption.install()
 
     def on_step_begin(self, args, state, control, **kwargs):
-        self.trainer._step_lr_factor = self.trainer._next_lr_factor
+        self.trainer._begin_optimizer_step()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if args.save_on_preemption and self.trainer._preemption_requested():
+            control.should_save = True
+            control.should_training_stop = True
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.trainer.preemption.uninstall()
 
 
 class OBLRPOTrainer(GRPOTrainer):
@@ -120,12 +140,15 @@ class OBLRPOTrainer(GRPOTrainer):
                 f"OBLRPOTrainer needs an OBLRPOConfig, got {type(args).__name__}. OBLRPOConfig takes every GRPOConfig "
                 "argument: replace `GRPOConfig(...)` with `OBLRPOConfig(...)`."
             )
+        reward_funcs = self._checked_reward_funcs(reward_funcs, trainer_kwargs.get("train_dataset", (*trainer_args, None)[0]))
         super().__init__(model, reward_funcs, args, *trainer_args, **trainer_kwargs)
         self._check_supported(args)
+        self.recipe: str | None = None  # the YAML recipe of a CLI run, added to the model card
 
         self._policy_module = self.model.get_base_model() if is_peft_model(self.model) else self.model
         self._log_sum_sq_forward = self._make_log_sum_sq_forward() if args.baseline_weights == "logit" else None
         self._gathered_rewards_per_func: torch.Tensor | None = None
+        self._generation_logits: tuple[torch.Tensor, torch.Tensor] | None = None
         self._loss_outputs: tuple[torch.Tensor, ...] | None = None
         self._warned_no_reuse = False
 
@@ -141,7 +164,14 @@ class OBLRPOTrainer(GRPOTrainer):
         self._step_per_sample_sq = torch.zeros((), dtype=torch.float32)
         if args.use_snr_lr:
             self._micro_batch_norms = MicroBatchGradSqNorms(self._trainable_parameters())
-            self.add_callback(_LearningRateFactorCallback(self))
+
+        # Robustness: refuse non-finite steps, stop gracefully on SIGTERM/SIGINT
+        self._step_gate: OptimizerStepGate | None = None
+        self._step_loss_finite = torch.ones((), dtype=torch.bool)
+        self._step_grad_norm_finite = True
+        self.skipped_nonfinite_steps = 0
+        self.preemption = PreemptionSignal()
+        self.add_callback(_OBLRPOCallback(self))
 
     # ------------------------------------------------------------------------------------------------------------
     # Set-up
@@ -160,6 +190,36 @@ class OBLRPOTrainer(GRPOTrainer):
                 "Invalid value for `baseline_weights`: 'exact' is not supported for vision-language models. Allowed "
                 "values for them: 'logit', 'length', 'uniform'."
             )
+
+    @staticmethod
+    def _checked_reward_funcs(reward_funcs, train_dataset) -> list:
+        """Check the data against the reward functions before any model loads; name a reward function that fails."""
+        funcs = reward_funcs if isinstance(reward_funcs, list) else [] if reward_funcs is None else [reward_funcs]
+        names = [f if isinstance(f, str) else get_callable_name(f) for f in funcs]
+        validate_training_data(train_dataset, [f for f in funcs if not isinstance(f, str)],
+                               [n for f, n in zip(funcs, names, strict=True) if not isinstance(f, str)])
+        return [
+            f if isinstance(f, (str, torch.nn.Module)) else name_reward_errors(f, name)
+            for f, name in zip(funcs, names, strict=True)
+        ]
+
+    def _tokenize_prompts(self, prompts: list):
+        prompt_ids, images, multimodal_fields = super()._tokenize_prompts(prompts)
+        limit = self._context_limit()
+        longest = max((len(ids) for ids in prompt_ids), default=0)
+        if limit is not None and longest + self.max_completion_length > limit:
+            raise ValueError(
+                f"A prompt of {longest} tokens plus max_completion_length={self.max_completion_length} exceeds the "
+                f"model's context of {limit} tokens. Allowed: prompts of at most {limit - self.max_completion_length} "
+                "tokens (filter or truncate the dataset), or a smaller max_completion_length."
+            )
+        return prompt_ids, images, multimodal_fields
+
+    def _context_limit(self) -> int | None:
+        if self.use_vllm and self.args.vllm_max_model_length is not None:
+            return self.args.vllm_max_model_length
+        config = self._policy_module.config.get_text_config()
+        return getattr(config, "max_position_embeddings", None)
 
     def _trainable_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
@@ -208,8 +268,46 @@ class OBLRPOTrainer(GRPOTrainer):
         self._gathered_rewards_per_func = rewards_per_func  # gathered over processes, group by group
         return rewards_per_func
 
+    def _captures_generation_logits(self) -> bool:
+        # transformers' generate computes every step's logits; vLLM, continuous batching and tool loops do not hand
+        # them over (or interleave tool tokens), so those paths use a forward pass instead.
+        return (
+            self._log_sum_sq_forward is not None
+            and not self.use_vllm
+            and not self.args.use_transformers_continuous_batching
+            and not self.tools
+        )
+
+    def _generate_single_turn(self, prompt_ids, *args, **kwargs):
+        stats = GenerationLogitStats(self._policy_module, self.temperature) if self._captures_generation_logits() else None
+        completion_ids = None
+        try:
+            completion_ids, logprobs = super()._generate_single_turn(prompt_ids, *args, **kwargs)
+        finally:
+            if stats is not None:
+                self._generation_logits = stats.finish(completion_ids or [])
+        return self._without_empty_completions(completion_ids, logprobs)
+
+    def _without_empty_completions(self, completion_ids, logprobs):
+        """A generator can return no token at all (vLLM at the context limit, a custom rollout); TRL cannot score such
+        a completion. Read it as the model stopping at once: a lone EOS (its sampling log-probability unknown, so no
+        importance-sampling correction), counted in `oblr/empty_completions`."""
+        empty = [i for i, ids in enumerate(completion_ids) if len(ids) == 0]
+        mode = "train" if self.model.training else "eval"
+        self._metrics[mode]["oblr/empty_completions"].append(float(len(empty)))
+        if not empty:
+            return completion_ids, logprobs
+        warnings.warn(f"{len(empty)} empty completion(s) read as a lone EOS token (counted in oblr/empty_completions).")
+        eos = self.eos_token_ids[0]
+        completion_ids = [ids if len(ids) else [eos] for ids in completion_ids]
+        if logprobs is not None:
+            logprobs = [lp if len(ids) else [None] for ids, lp in zip(completion_ids, logprobs, strict=True)]
+        return completion_ids, logprobs
+
     def _generate_and_score_completions(self, inputs):
-        reuse = self._log_sum_sq_forward is not None and self._trl_computes_old_logps()
+        self._generation_logits = None
+        reuse = self._log_sum_sq_forward is not None and not self._captures_generation_logits()
+        reuse = reuse and self._trl_computes_old_logps()
         with self._recording_log_sum_sq() if reuse else contextlib.nullcontext() as record:
             output = super()._generate_and_score_completions(inputs)
         mode = "train" if self.model.training else "eval"
@@ -252,22 +350,31 @@ class OBLRPOTrainer(GRPOTrainer):
     def _logit_weight_inputs(
         self, output: dict[str, Any], record: list | None, mode: str
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """log p_t(y_t) and log Σ_v p_t(v)² of the completion tokens, from TRL's forward if it ran one, else our own."""
-        logits_to_keep = output["completion_ids"].size(1)
+        """log p_t(y_t) and log Σ_v p_t(v)² of the completion tokens, ``(B, T)`` like ``completion_ids``.
+
+        From the logits generation already computed if they were captured, else from TRL's own no-grad forward if it
+        ran one, else from one chunked no-grad forward of our own (logged as `oblr/weights/extra_forward`).
+        """
+        completion_ids = output["completion_ids"]
+        captured, self._generation_logits = self._generation_logits, None
+        if captured is not None and captured[0].size(0) == completion_ids.size(0):
+            self._metrics[mode]["oblr/weights/extra_forward"].append(0.0)
+            return tuple(_fit_width(t, completion_ids.size(1)) for t in captured)
+        logits_to_keep = completion_ids.size(1)
         if record is not None and "old_per_token_logps" in output:
-            chunks = record[: math.ceil(output["completion_ids"].size(0) / self._forward_batch_size(mode))]
+            chunks = record[: math.ceil(completion_ids.size(0) / self._forward_batch_size(mode))]
             if chunks:
                 log_probs = torch.cat([lp for lp, _ in chunks])[:, -logits_to_keep:]
                 if log_probs.shape == output["old_per_token_logps"].shape and torch.equal(
                     log_probs, output["old_per_token_logps"]
                 ):
-                    self._metrics[mode]["oblr/weights/reused_forward"].append(1.0)
+                    self._metrics[mode]["oblr/weights/extra_forward"].append(0.0)
                     return log_probs, torch.cat([lss for _, lss in chunks])[:, -logits_to_keep:]
             if not self._warned_no_reuse:
                 warnings.warn("Could not reuse TRL's no-grad forward for the logit weights; running a separate one.")
                 self._warned_no_reuse = True
-        self._metrics[mode]["oblr/weights/reused_forward"].append(0.0)
-        input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
+        self._metrics[mode]["oblr/weights/extra_forward"].append(1.0)
+        input_ids = torch.cat([output["prompt_ids"], completion_ids], dim=1)
         attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
         multimodal = {key: output[key] for key in _MULTIMODAL_KEYS if key in output}
         with torch.no_grad(), self._recording_log_sum_sq() as record:
@@ -366,6 +473,8 @@ class OBLRPOTrainer(GRPOTrainer):
             self._step_micro_batches += 1
             self._step_samples += inputs["completion_ids"].size(0)
             self._micro_batch_norms.active = True  # the backward that follows is the training one
+        if self.model.training and torch.is_grad_enabled():
+            self._step_loss_finite = self._step_loss_finite.to(loss.device) & torch.isfinite(loss.detach()).all()
         return loss
 
     def _per_row_grad_sq(self, loss: torch.Tensor) -> torch.Tensor:
@@ -386,6 +495,7 @@ class OBLRPOTrainer(GRPOTrainer):
 
     def _get_grad_norm(self, model, grad_norm=None):
         grad_norm = super()._get_grad_norm(model, grad_norm=grad_norm)
+        self._step_grad_norm_finite = grad_norm is None or math.isfinite(float(grad_norm))
         if self._micro_batch_norms is not None:
             self._record_noise_estimate(float(grad_norm))
         return grad_norm
@@ -411,6 +521,12 @@ class OBLRPOTrainer(GRPOTrainer):
         micro_sq, micro_batches, samples, per_sample_sq = self.accelerator.reduce(stats, reduction="sum").tolist()
         processes = self.accelerator.num_processes
         full_sq = grad_norm**2
+        if micro_batches >= 1 and micro_sq == 0.0 and full_sq > 0.0:
+            raise RuntimeError(
+                "The SNR estimator saw no micro-batch gradient although the step gradient is not zero: this backend "
+                f"({self.accelerator.distributed_type}) does not route gradients through the parameters' hooks (FSDP "
+                "shards them). Set use_snr_lr=False to train without the SNR learning-rate factor."
+            )
         metrics = self._metrics["train"]
         metrics["snr/full_batch_grad_sq_norm"].append(full_sq)
 
@@ -439,23 +555,66 @@ class OBLRPOTrainer(GRPOTrainer):
         metrics["snr/noise_scale"].append(1.0 / snr if math.isfinite(snr) and snr > 0 else float("nan"))
         self._next_lr_factor = self.snr_controller.factor(samples)
 
-    def _attach_lr_factor(self) -> None:
-        """Scale the steps of the optimizer that updates the parameters; a no-op if it is already hooked."""
-        if self._lr_scale is not None:
-            if self._lr_scale.optimizer is innermost_optimizer(self.optimizer):
-                return
-            self._lr_scale.remove()
-        self._lr_scale = StepLearningRateScale(self.optimizer, lambda: self._step_lr_factor, self._log_lr_factor)
+    def _attach_optimizer_hooks(self) -> None:
+        """Gate and scale the steps of the optimizer that updates the parameters (once per optimizer object).
+
+        The gate goes on first: a refused step does not reach the learning-rate hooks.
+        """
+        optimizer = innermost_optimizer(self.optimizer)
+        if self._step_gate is not None and self._step_gate.optimizer is optimizer:
+            return
+        for hooks in (self._step_gate, self._lr_scale):
+            if hooks is not None:
+                hooks.remove()
+        if self._micro_batch_norms is not None:
+            self._lr_scale = StepLearningRateScale(optimizer, lambda: self._step_lr_factor, self._log_lr_factor)
+        if self.args.skip_nonfinite_steps:
+            self._step_gate = OptimizerStepGate(optimizer, self._optimizer_step_allowed, self._log_skipped_step)
 
     def create_optimizer(self, model=None):
         optimizer = super().create_optimizer(model)
-        if self._micro_batch_norms is not None:
-            self._attach_lr_factor()
+        self._attach_optimizer_hooks()
         return optimizer
+
+    def _begin_optimizer_step(self) -> None:
+        self._step_lr_factor = self._next_lr_factor
+        self._step_loss_finite = torch.ones((), dtype=torch.bool)
+        self._step_grad_norm_finite = True
+
+    def _optimizer_step_allowed(self) -> bool:
+        """Every process agrees: the step's losses, pre-clip gradient norm (when known before the step; DeepSpeed
+        computes it inside its step) and learning-rate factor are all finite."""
+        finite = self._step_loss_finite.to(self.accelerator.device) & torch.tensor(
+            self._step_grad_norm_finite and math.isfinite(self._step_lr_factor), device=self.accelerator.device
+        )
+        if self.accelerator.num_processes > 1:
+            finite = self.accelerator.gather(finite.reshape(1)).all()
+        return bool(finite)
+
+    def _log_skipped_step(self) -> None:
+        self.skipped_nonfinite_steps += 1
+        self._metrics["train"]["oblr/skipped_nonfinite_steps"].append(float(self.skipped_nonfinite_steps))
+        warnings.warn(
+            f"Optimizer step {self.state.global_step + 1} skipped: non-finite loss, gradient norm or learning-rate "
+            f"factor ({self.skipped_nonfinite_steps} skipped so far). The parameters and optimizer state are unchanged."
+        )
+
+    def _preemption_requested(self) -> bool:
+        requested = torch.tensor(self.preemption.received is not None, device=self.accelerator.device)
+        if self.accelerator.num_processes > 1:  # stop together even if only some processes got the signal
+            requested = self.accelerator.gather(requested.reshape(1)).any()
+        return bool(requested)
 
     def _log_lr_factor(self, scheduled_lr: float, factor: float) -> None:
         self._metrics["train"]["snr/lr_factor"].append(factor)
         self._metrics["train"]["snr/effective_lr"].append(scheduled_lr * factor)
+
+    def create_model_card(self, model_name=None, dataset_name=None, tags=None):
+        super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
+        card = Path(self.args.output_dir) / "README.md"
+        if self.recipe and self.is_world_process_zero() and card.exists():
+            with card.open("a") as f:
+                f.write(f"\n## Training recipe\n\nTrained with `oblr-trl train` from this recipe:\n\n```yaml\n{self.recipe}\n```\n")
 
     # ------------------------------------------------------------------------------------------------------------
     # Checkpoints: the SNR state travels with them

@@ -49,6 +49,17 @@ def tiny_policy_pools(tokenizer):
 
 
 @pytest.fixture
+def saved_tiny_model(tmp_path, tokenizer):
+    """A tiny model and its tokenizer saved to a folder, for code that loads models by path."""
+    from oblr_trl.testing import tiny_causal_lm
+
+    path = tmp_path / "tiny-model"
+    tiny_causal_lm(tokenizer).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture
 def prompt_dataset():
     from datasets import Dataset
 

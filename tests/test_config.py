@@ -80,7 +80,7 @@ def test_every_new_field_is_documented():
     new = {f.name for f in fields(OBLRPOConfig)} - {f.name for f in fields(GRPOConfig)}
     assert new == {
         "baseline_weights", "leave_one_out", "importance_weighted_baseline", "use_snr_lr", "snr_estimator",
-        "snr_ema_decay", "snr_warmup_steps", "snr_lr_floor",
+        "snr_ema_decay", "snr_warmup_steps", "snr_lr_floor", "skip_nonfinite_steps", "save_on_preemption",
     }
     for f in fields(OBLRPOConfig):
         if f.name in new or f.name == "scale_rewards":

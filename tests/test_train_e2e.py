@@ -6,6 +6,8 @@ import math
 import pytest
 import torch
 
+from oblr_trl import OBLRPOTrainer
+
 from conftest import digit_fraction_reward, vowel_reward
 
 LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
@@ -57,12 +59,27 @@ def test_reference_model_with_beta(make_trainer, tokenizer, tmp_path):
     assert all(math.isfinite(h["kl"]) for h in logged)
 
 
-def test_reuses_trls_forward_when_it_runs_one(make_trainer):
-    """With steps_per_generation > gradient_accumulation_steps TRL computes old log-probs in a no-grad forward; the
-    logit weights come from that same forward instead of a second one."""
-    logged = train_and_check(make_trainer(steps_per_generation=4, max_steps=3))
-    reused = [h["oblr/weights/reused_forward"] for h in logged if "oblr/weights/reused_forward" in h]
-    assert reused and all(value == 1.0 for value in reused)
+class NoGenerationCapture(OBLRPOTrainer):
+    """As under vLLM: the generation logits are not available to the trainer."""
+
+    def _captures_generation_logits(self):
+        return False
+
+
+@pytest.mark.parametrize(
+    ("trainer_cls", "steps_per_generation", "extra_forward"),
+    [(OBLRPOTrainer, None, 0.0), (NoGenerationCapture, 4, 0.0), (NoGenerationCapture, None, 1.0)],
+    ids=["from-generation", "reuses-trl-forward", "own-forward"],
+)
+def test_logit_weights_cost_no_extra_forward_when_avoidable(make_trainer, trainer_cls, steps_per_generation, extra_forward):
+    """transformers' generation: the weights come from the logits it computed. Otherwise, with
+    steps_per_generation > gradient_accumulation_steps TRL runs a no-grad forward (old log-probs) and the weights reuse
+    it; only when neither exists does the trainer run one forward of its own."""
+    logged = train_and_check(
+        make_trainer(trainer_cls=trainer_cls, steps_per_generation=steps_per_generation, max_steps=3)
+    )
+    values = [h["oblr/weights/extra_forward"] for h in logged if "oblr/weights/extra_forward" in h]
+    assert values and all(value == extra_forward for value in values)
 
 
 @pytest.mark.parametrize("beta", [0.0, 0.04])

@@ -101,3 +101,22 @@ def test_trainer_logit_weights_match_autograd_on_model_logits(make_trainer, toke
     reference = autograd_logit_weights(logits, completion_ids, completion_mask)
     assert weights[2] == 0.0
     assert torch.allclose(weights.double(), reference, rtol=1e-5, atol=0)
+
+
+def test_weights_from_generation_logits_match_a_forward_pass(make_trainer):
+    """The logits transformers' generate computed (with its KV cache) give the same weights as a fresh forward."""
+    from oblr_trl import OBLRPOTrainer
+
+    class BothSources(OBLRPOTrainer):
+        pairs = []
+
+        def _completion_weights(self, output, record, mode):
+            used = super()._completion_weights(output, record, mode)  # takes the captured generation logits
+            self.pairs.append((used, super()._completion_weights(output, None, mode)))  # runs a forward
+            return used
+
+    trainer = make_trainer(trainer_cls=BothSources, max_steps=2, temperature=0.8)
+    trainer.train()
+    assert len(BothSources.pairs) == 2
+    for from_generation, from_forward in BothSources.pairs:
+        assert torch.allclose(from_generation, from_forward, rtol=1e-4, atol=1e-6)

