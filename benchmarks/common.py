@@ -64,8 +64,10 @@ def markdown_table(headers: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
-def build_trainer(model: str, overrides: dict | None, config: dict, peft: dict | None, train_dataset, callbacks=()):
-    """TRL's GRPOTrainer (``overrides`` is None) or OBLRPOTrainer with ``config`` + ``overrides``, on ``model``."""
+def build_trainer(
+    model: str, overrides: dict | None, config: dict, peft: dict | None, train_dataset, callbacks=(), trainer_cls=None
+):
+    """TRL's GRPOTrainer (``overrides`` is None) or OBLRPOTrainer (or ``trainer_cls``) with ``config`` + ``overrides``."""
     import torch
     from trl import GRPOConfig, GRPOTrainer
 
@@ -77,7 +79,7 @@ def build_trainer(model: str, overrides: dict | None, config: dict, peft: dict |
     if overrides is None:
         config_cls, trainer_cls = GRPOConfig, GRPOTrainer
     else:
-        config_cls, trainer_cls, config = OBLRPOConfig, OBLRPOTrainer, {**config, **overrides}
+        config_cls, trainer_cls, config = OBLRPOConfig, trainer_cls or OBLRPOTrainer, {**config, **overrides}
     peft_config = None
     if peft:
         from peft import LoraConfig

@@ -51,7 +51,7 @@ PRESETS = {
                        max_completion_length=24, learning_rate=3e-5, lr_scheduler_type="constant_with_warmup",
                        warmup_steps=5, gradient_checkpointing=False, bf16=False, use_cpu=True),
         "peft": None,
-        "steps": 30, "eval_every": 10, "eval_problems": 40, "eval_max_new_tokens": 24,
+        "steps": 24, "eval_every": 8, "eval_problems": 30, "eval_max_new_tokens": 24,
     },
     "gpu": {
         "model": "Qwen/Qwen3-4B-Base",
@@ -110,7 +110,7 @@ def run_child(spec: dict) -> dict:
             self.evaluate(model, processing_class, 0)
 
         def on_step_end(self, args, state, control, model=None, processing_class=None, **kwargs):
-            if state.global_step % spec["eval_every"] == 0:
+            if state.global_step % spec["eval_every"] == 0 or state.global_step == spec["steps"]:
                 self.evaluate(model, processing_class, state.global_step)
 
     start = time.perf_counter()

@@ -39,6 +39,7 @@ VARIANTS = {
     "length": {"baseline_weights": "length"},
     "uniform-no-snr": {"baseline_weights": "uniform", "use_snr_lr": False},
     "exact": {"baseline_weights": "exact"},
+    "exact-naive": {"baseline_weights": "exact"},  # the same weights by one backward per completion (NaiveExact)
 }
 PRESETS = {
     "cpu": {
@@ -61,6 +62,8 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
     parser.add_argument("--model", default=None, help="override the preset's model")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
+                        help="override a field of the preset's config (YAML value), e.g. --set use_vllm=false")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=6, help="timed optimizer steps per run")
@@ -109,6 +112,31 @@ class PeakMemory:
             self.peak = max(self.peak, self.process.memory_info().rss)
 
 
+def naive_exact_trainer():
+    """OBLRPOTrainer whose `exact` weights come from one forward and backward per completion (the test oracle), as
+    the only public implementation of the exact baseline does: the reference the batched version is measured against."""
+    import torch
+
+    from oblr_trl import OBLRPOTrainer
+    from oblr_trl.per_sample import per_sample_grad_sq_norms
+
+    class NaiveExact(OBLRPOTrainer):
+        def _exact_weights(self, output, mask, ratio):
+            input_ids, attention_mask, logits_to_keep = self._sequence_inputs(output)
+            token_weight = mask.float() if ratio is None else mask.float() * ratio.float()
+
+            def log_likelihood(i):
+                log_probs, _, _ = self._get_per_token_logps_and_entropies(
+                    self.model, input_ids[i : i + 1], attention_mask[i : i + 1], logits_to_keep
+                )
+                return (log_probs * token_weight[i : i + 1]).sum()
+
+            with torch.enable_grad():
+                return per_sample_grad_sq_norms(log_likelihood, input_ids.size(0), self._trainable_parameters())
+
+    return NaiveExact
+
+
 def run_child(spec: dict) -> dict:
     """One training run of one variant; returns per-step times and peak memory."""
     from transformers import TrainerCallback
@@ -116,13 +144,14 @@ def run_child(spec: dict) -> dict:
     from oblr_trl.tasks import TaskOptions, load_task
 
     preset = PRESETS[spec["preset"]]
+    config = {**preset["config"], **spec["overrides"]}
     task = load_task("arithmetic", "train", TaskOptions(num_problems=200, seed=spec["seed"]))
     length = spec["max_completion_length"]
-    min_tokens = "min_tokens" if preset["config"].get("use_vllm") else "min_new_tokens"  # vLLM's name / transformers'
+    min_tokens = "min_tokens" if config.get("use_vllm") else "min_new_tokens"  # vLLM's name / transformers'
     common = dict(
         output_dir=spec["output_dir"], max_steps=spec["warmup_steps"] + spec["steps"], max_completion_length=length,
         generation_kwargs={min_tokens: length}, logging_steps=1, save_strategy="no", report_to=[],
-        seed=spec["seed"], **preset["config"],
+        seed=spec["seed"], **config,
     )
     times = []
 
@@ -134,7 +163,8 @@ def run_child(spec: dict) -> dict:
             times.append(time.perf_counter() - self.start)
 
     trainer = build_trainer(spec["model"] or preset["model"], VARIANTS[spec["variant"]], common, preset["peft"], task,
-                            callbacks=[StepTimer()])
+                            callbacks=[StepTimer()],
+                            trainer_cls=naive_exact_trainer() if spec["variant"] == "exact-naive" else None)
     with PeakMemory() as memory:
         trainer.train()
     timed = times[spec["warmup_steps"]:]
@@ -178,13 +208,27 @@ def plot(rows, output_dir, name):
     return save_figure(figure, output_dir, name)
 
 
+def parse_overrides(items: list[str]) -> dict:
+    import yaml
+
+    overrides = {}
+    for item in items:
+        field, separator, value = item.partition("=")
+        if not separator or not field:
+            raise SystemExit(f"--set expects FIELD=VALUE, got {item!r}")
+        overrides[field] = yaml.safe_load(value)
+    return overrides
+
+
 def main(argv=None):
     args = parse_args(argv)
     if args.child:
         return child_main(run_child, args.child)
+    overrides = parse_overrides(args.overrides)
     output_dir = Path(args.output_dir)
     specs = [  # interleaved: A B C ... A B C ...
-        {"preset": args.preset, "model": args.model, "variant": variant, "repeat": repeat, "seed": args.seed + repeat,
+        {"preset": args.preset, "model": args.model, "overrides": overrides, "variant": variant, "repeat": repeat,
+         "seed": args.seed + repeat,
          "steps": args.steps, "warmup_steps": args.warmup_steps, "max_completion_length": args.max_completion_length,
          "output_dir": str(output_dir / "runs" / f"{variant}-{repeat}")}
         for repeat in range(args.repeats) for variant in args.variants
@@ -193,12 +237,14 @@ def main(argv=None):
     rows = summarise(runs, args.variants)
     figure = plot(rows, output_dir, args.name)
     preset = PRESETS[args.preset]
+    config = {**preset["config"], **overrides}
     markdown = (
         f"# Overhead against GRPOTrainer ({args.preset} preset)\n\n![overhead]({figure.name})\n\n"
-        f"Model `{args.model or preset['model']}`, {preset['config']['num_generations']} completions per prompt, "
-        f"{preset['config']['per_device_train_batch_size']} × {preset['config']['gradient_accumulation_steps']} "
+        f"Model `{args.model or preset['model']}`, {config['num_generations']} completions per prompt, "
+        f"{config['per_device_train_batch_size']} × {config['gradient_accumulation_steps']} "
         f"completions per step, completions fixed at {args.max_completion_length} tokens; {args.repeats} interleaved "
-        f"repeats × {args.steps} timed steps (after {args.warmup_steps} warm-up).\n\n"
+        f"repeats × {args.steps} timed steps (after {args.warmup_steps} warm-up)"
+        + (f"; preset overrides `{overrides}`" if overrides else "") + ".\n\n"
         + markdown_table(
             ["variant", "s / step (median)", "min", "max", "÷ GRPO time", "time ratio min–max", "peak MiB",
              "÷ GRPO memory", "memory ratio min–max"],

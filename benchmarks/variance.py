@@ -7,6 +7,10 @@ estimator ĝ = (1/G) Σ_i (r_i − b_i) g_i is computed exactly from the pool's 
 baseline: tr Cov, its ratio to the group-mean (GRPO) baseline and to uniform leave-one-out (RLOO), the share of the
 exact-weight variance reduction it achieves, and how well each proxy weight correlates with the exact ‖g_i‖².
 
+Two exact weights are compared: the norm over the measured subset (the b* of the space the covariance is measured in)
+and the norm over the whole model, computed for every completion by the batched ghost-norm pass (what
+`baseline_weights="exact"` uses in training).
+
 Run it at several points in training (the base model, and after some OBLR-PO steps): the spread of the weights, hence
 what the baseline can gain, changes with the policy.
 
@@ -41,6 +45,8 @@ BASELINES = [
     ("logit LOO (OBLR-PO default)", "logit", True),
     ("exact, whole group", "exact", False),
     ("exact LOO", "exact", True),
+    ("exact full-model, whole group", "exact_full", False),
+    ("exact full-model LOO (OBLR-PO exact)", "exact_full", True),
 ]
 ORACLE = "oracle b* (fixed per prompt)"
 
@@ -108,6 +114,33 @@ def per_completion(model, prompt_ids, completions, params, temperature):
     return torch.stack(gradients), torch.cat(logit).double(), torch.tensor(lengths, dtype=torch.float64)
 
 
+def full_model_norms(model, prompt_ids, completions, temperature, chunk=8):
+    """‖∇_θ log π(o|q)‖² over all parameters, by the batched ghost-norm pass (`oblr_trl.ghost_norms`)."""
+    from oblr_trl.ghost_norms import log_likelihood_grad_sq_norms
+
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    for p in frozen:
+        p.requires_grad_(True)
+    width = max(len(c) for c in completions)
+    ids = torch.full((len(completions), prompt_ids.size(1) + width), 0)
+    mask = torch.zeros_like(ids)
+    scale = torch.zeros(len(completions), width)
+    for i, completion in enumerate(completions):
+        ids[i, : prompt_ids.size(1)] = prompt_ids[0]
+        ids[i, prompt_ids.size(1) : prompt_ids.size(1) + len(completion)] = torch.tensor(completion)
+        mask[i, : prompt_ids.size(1) + len(completion)] = 1
+        scale[i, : len(completion)] = 1.0
+    try:
+        return torch.cat([
+            log_likelihood_grad_sq_norms(model, ids[s : s + chunk], mask[s : s + chunk], width, scale[s : s + chunk],
+                                         temperature)
+            for s in range(0, len(completions), chunk)
+        ]).double()
+    finally:
+        for p in frozen:
+            p.requires_grad_(False)
+
+
 def group_variances(gram, rewards, weights, group_size, draws, generator):
     """tr Cov of the group estimator for each baseline, groups drawn with replacement from the pool (Gram trick)."""
     pool = len(rewards)
@@ -157,7 +190,7 @@ def measure(model_path, args, label):
     dataset = load_task("arithmetic", "test", TaskOptions(limit=args.prompts, operators=args.task_operators, seed=args.seed))
     generator = torch.Generator().manual_seed(args.seed)
     totals = {name: 0.0 for name, _, _ in BASELINES} | {ORACLE: 0.0}
-    all_exact, all_logit, all_length, all_rewards = [], [], [], []
+    all_exact, all_full, all_logit, all_length, all_rewards = [], [], [], [], []
     for i, row in enumerate(tqdm(dataset, desc=f"variance[{label}]", unit="prompt")):
         prompt_ids, completions = sample_pool(
             model, tokenizer, row["prompt"], args.pool, args.max_new_tokens, args.temperature, args.seed + i
@@ -167,11 +200,14 @@ def measure(model_path, args, label):
         gradients, logit, length = per_completion(model, prompt_ids, completions, params, args.temperature)
         gram = (gradients.double() @ gradients.double().T)
         del gradients
-        weights = {"exact": gram.diagonal().clone(), "logit": logit, "length": length}
+        full = full_model_norms(model, prompt_ids, completions, args.temperature)
+        weights = {"exact": gram.diagonal().clone(), "exact_full": full, "logit": logit, "length": length}
         for name, value in group_variances(gram, rewards, weights, args.group_size, args.draws, generator).items():
             totals[name] += value
-        all_exact.append(weights["exact"]), all_logit.append(logit), all_length.append(length), all_rewards.append(rewards)
-    exact, logit, length = torch.cat(all_exact), torch.cat(all_logit), torch.cat(all_length)
+        for bucket, values in ((all_exact, weights["exact"]), (all_full, full), (all_logit, logit), (all_length, length),
+                               (all_rewards, rewards)):
+            bucket.append(values)
+    exact, full, logit, length = torch.cat(all_exact), torch.cat(all_full), torch.cat(all_logit), torch.cat(all_length)
     rewards = torch.cat(all_rewards)
     reference, rloo, best = totals["group mean (GRPO)"], totals["uniform LOO (RLOO)"], totals["exact LOO"]
     rows = []
@@ -191,12 +227,13 @@ def measure(model_path, args, label):
         "mean_reward": rewards.mean().item(),
         "mixed_groups": sum(1 for r in all_rewards if r.min() != r.max()),
         "correlation_with_exact": {
-            "logit": {"pearson": pearson(exact, logit), "spearman": spearman(exact, logit)},
-            "length": {"pearson": pearson(exact, length), "spearman": spearman(exact, length)},
-        },
+            f"{proxy} vs {reference}": {"pearson": pearson(ref, values), "spearman": spearman(ref, values)}
+            for reference, ref in (("exact (measured subset)", exact), ("exact (full model)", full))
+            for proxy, values in (("logit", logit), ("length", length))
+        } | {"subset vs full model": {"pearson": pearson(full, exact), "spearman": spearman(full, exact)}},
         "weight_spread_max_min": (exact.max() / exact.min().clamp(min=1e-12)).item(),
         "baselines": rows,
-    }, (exact, logit, length)
+    }, (full, logit, length)
 
 
 def plot(points, scatter, output_dir):
@@ -216,7 +253,7 @@ def plot(points, scatter, output_dir):
     for axis, proxy, name in ((axes[1], logit, "logit proxy"), (axes[2], length, "length")):
         axis.scatter(exact.numpy(), proxy.numpy(), s=6, alpha=0.5)
         axis.set_xscale("log")
-        axis.set_xlabel("exact ‖∇ log π(o|q)‖² (measured subset)")
+        axis.set_xlabel("exact ‖∇ log π(o|q)‖², full model (ghost norms)")
         axis.set_ylabel(name)
         axis.set_title(f"{name} vs exact, {points[0]['point']}")
     return save_figure(figure, output_dir, "variance")
@@ -259,7 +296,7 @@ def main(argv=None):
             )
             + "\n\n"
             + markdown_table(
-                ["proxy", "Pearson with exact ‖g‖²", "Spearman"],
+                ["weights", "Pearson", "Spearman"],
                 [[name, c["pearson"], c["spearman"]] for name, c in corr.items()],
             )
         )

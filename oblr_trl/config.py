@@ -62,8 +62,8 @@ class OBLRPOConfig(GRPOConfig):
             - `"two_batch"`: from the squared norms of the micro-batch gradients and of the full-step gradient. Needs
               at least two micro-batches per optimizer step across processes (`gradient_accumulation_steps` × number
               of processes ≥ 2); with one, the trainer refuses to start rather than silently leave the rate as is.
-            - `"per_sample"`: from per-completion gradient norms (one extra backward per completion: for small models
-              and validation).
+            - `"per_sample"`: from per-completion gradient norms of the loss (one extra batched forward and backward
+              per micro-batch, `oblr_trl.ghost_norms`; one backward per completion with an entropy bonus).
         snr_ema_decay (`float`, *optional*, defaults to `0.9`):
             Decay β of the bias-corrected moving averages that smooth the ‖μ‖² and tr Σ estimates, in [0, 1).
         snr_warmup_steps (`int`, *optional*, defaults to `5`):
@@ -137,8 +137,8 @@ class OBLRPOConfig(GRPOConfig):
         default="two_batch",
         metadata={
             "help": "Estimator of ‖μ‖² and tr Σ: 'two_batch' (micro-batch vs full-step gradient norms; needs "
-            "gradient_accumulation_steps × processes >= 2) or 'per_sample' (per-completion gradient norms, one extra "
-            "backward per completion).",
+            "gradient_accumulation_steps × processes >= 2) or 'per_sample' (per-completion gradient norms of the loss, "
+            "one extra batched forward and backward per micro-batch).",
             "choices": list(SNR_ESTIMATORS),
         },
     )

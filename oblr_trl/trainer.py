@@ -25,12 +25,14 @@ from accelerate.utils import is_peft_model
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
+from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import add_fused_lm_head, get_callable_name, get_config_model_id
 
 from .advantages import aggregate_rewards, gradient_weighted_advantages
 from .config import OBLRPOConfig
 from .optim_hooks import MicroBatchGradSqNorms, OptimizerStepGate, StepLearningRateScale, innermost_optimizer
 from .generation_hooks import GenerationLogitStats
+from .ghost_norms import log_likelihood_grad_sq_norms
 from .guards import PreemptionSignal, name_reward_errors, validate_training_data
 from .per_sample import per_sample_grad_sq_norms, row_objective
 from .snr import NoiseEstimate, SNRLearningRateController, per_sample_noise_estimate, two_batch_noise_estimate
@@ -182,7 +184,7 @@ class OBLRPOTrainer(GRPOTrainer):
         if per_sample_grads and (self.is_deepspeed_enabled or self.is_fsdp_enabled):
             raise ValueError(
                 "Invalid configuration: baseline_weights='exact' and snr_estimator='per_sample' compute per-sample "
-                "gradients with torch.autograd.grad, which needs unsharded parameters. Allowed with DeepSpeed/FSDP: "
+                "gradient norms from the policy's layers directly, which needs unsharded parameters. Allowed with DeepSpeed/FSDP: "
                 "baseline_weights in ('logit', 'length', 'uniform') and snr_estimator='two_batch'."
             )
         if args.baseline_weights == "exact" and self._is_vlm:
@@ -374,8 +376,7 @@ class OBLRPOTrainer(GRPOTrainer):
                 warnings.warn("Could not reuse TRL's no-grad forward for the logit weights; running a separate one.")
                 self._warned_no_reuse = True
         self._metrics[mode]["oblr/weights/extra_forward"].append(1.0)
-        input_ids = torch.cat([output["prompt_ids"], completion_ids], dim=1)
-        attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+        input_ids, attention_mask, _ = self._sequence_inputs(output)
         multimodal = {key: output[key] for key in _MULTIMODAL_KEYS if key in output}
         with torch.no_grad(), self._recording_log_sum_sq() as record:
             log_probs, _, _ = self._get_per_token_logps_and_entropies(
@@ -391,21 +392,36 @@ class OBLRPOTrainer(GRPOTrainer):
     def _forward_batch_size(self, mode: str) -> int:
         return self.args.per_device_train_batch_size if mode == "train" else self.args.per_device_eval_batch_size
 
-    def _exact_weights(self, output: dict[str, Any], mask: torch.Tensor, ratio: torch.Tensor | None) -> torch.Tensor:
-        """w_i = ‖∇_θ Σ_t ρ_t log p_t(y_t)‖² over the trainable parameters, one backward per completion."""
-        input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
-        attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
-        logits_to_keep = output["completion_ids"].size(1)
-        token_weight = mask.float() if ratio is None else mask.float() * ratio.float()
+    @staticmethod
+    def _sequence_inputs(batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(input_ids, attention_mask, logits_to_keep) of prompt + completion, as TRL's forwards take them."""
+        input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+        attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+        return input_ids, attention_mask, batch["completion_ids"].size(1)
 
-        def log_likelihood(i: int) -> torch.Tensor:
-            log_probs, _, _ = self._get_per_token_logps_and_entropies(
-                self.model, input_ids[i : i + 1], attention_mask[i : i + 1], logits_to_keep
+    def _per_sample_grad_sq_norms(self, batch: dict[str, Any], token_scale: torch.Tensor) -> torch.Tensor:
+        """‖∇_θ Σ_t s_t log p_t(y_t)‖² per completion (`oblr_trl.ghost_norms`), in chunks of the micro-batch size."""
+        input_ids, attention_mask, logits_to_keep = self._sequence_inputs(batch)
+        size = self._forward_batch_size("train" if self.model.training else "eval")
+        with disable_gradient_checkpointing(self._policy_module, self.args.gradient_checkpointing_kwargs):
+            return torch.cat(
+                [
+                    log_likelihood_grad_sq_norms(
+                        self._policy_module,
+                        input_ids[start : start + size],
+                        attention_mask[start : start + size],
+                        logits_to_keep,
+                        token_scale[start : start + size],
+                        self.temperature,
+                    )
+                    for start in range(0, input_ids.size(0), size)
+                ]
             )
-            return (log_probs * token_weight[i : i + 1]).sum()
 
-        with torch.enable_grad():
-            return per_sample_grad_sq_norms(log_likelihood, input_ids.size(0), self._trainable_parameters())
+    def _exact_weights(self, output: dict[str, Any], mask: torch.Tensor, ratio: torch.Tensor | None) -> torch.Tensor:
+        """w_i = ‖∇_θ Σ_t ρ_t log p_t(y_t)‖² over the trainable parameters, in one batched forward and backward."""
+        token_weight = mask.float() if ratio is None else mask.float() * ratio.float()
+        return self._per_sample_grad_sq_norms(output, token_weight)
 
     def _replace_advantages(self, output: dict[str, Any], local_weights: torch.Tensor, mode: str) -> None:
         """Swap TRL's group-mean advantages for r_i − b_i computed on the gathered rewards and weights."""
@@ -455,7 +471,7 @@ class OBLRPOTrainer(GRPOTrainer):
         result = super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
         if self._loss_outputs is not None and torch.is_grad_enabled():
             # compute_loss's forward: keep its outputs for the per-sample gradient norms
-            self._loss_outputs = tuple(t for t in result[:2] if t is not None)
+            self._loss_outputs = (result[0], result[1])
         return result
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -466,7 +482,7 @@ class OBLRPOTrainer(GRPOTrainer):
         try:
             loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
             if per_sample:
-                self._step_per_sample_sq = self._step_per_sample_sq.to(loss.device) + self._per_row_grad_sq(loss)
+                self._step_per_sample_sq = self._step_per_sample_sq.to(loss.device) + self._per_row_grad_sq(loss, inputs)
         finally:
             self._loss_outputs = None
         if training:
@@ -477,13 +493,20 @@ class OBLRPOTrainer(GRPOTrainer):
             self._step_loss_finite = self._step_loss_finite.to(loss.device) & torch.isfinite(loss.detach()).all()
         return loss
 
-    def _per_row_grad_sq(self, loss: torch.Tensor) -> torch.Tensor:
-        """Σ_i ‖∂loss_i/∂θ‖² over the rows of this micro-batch, by one autograd.grad per row (see `row_objective`)."""
-        outputs = [t for t in self._loss_outputs if t.requires_grad]
-        output_grads = torch.autograd.grad(loss, outputs, retain_graph=True, allow_unused=True)
-        pairs = [(o, g) for o, g in zip(outputs, output_grads, strict=True) if g is not None]
+    def _per_row_grad_sq(self, loss: torch.Tensor, inputs: dict[str, Any]) -> torch.Tensor:
+        """Σ_i ‖∂loss_i/∂θ‖² over the rows of this micro-batch.
+
+        With v = ∂loss/∂(per-token log-probs), row i's gradient is ∇_θ Σ_t v_it log p_t: one batched ghost-norm pass.
+        If the loss also depends on the entropies (an entropy bonus), one backward per row instead (`row_objective`).
+        """
+        log_probs, entropies = self._loss_outputs
+        outputs = [t for t in (log_probs, entropies) if t is not None and t.requires_grad]
+        grads = dict(zip(map(id, outputs), torch.autograd.grad(loss, outputs, retain_graph=True, allow_unused=True)))
+        if entropies is None or grads.get(id(entropies)) is None:
+            return self._per_sample_grad_sq_norms(inputs, grads[id(log_probs)].detach()).sum()
+        pairs = [(o, grads[id(o)]) for o in outputs if grads[id(o)] is not None]
         objective = row_objective([o for o, _ in pairs], [g for _, g in pairs])
-        norms = per_sample_grad_sq_norms(objective, outputs[0].size(0), self._trainable_parameters(), retain_graph=True)
+        norms = per_sample_grad_sq_norms(objective, log_probs.size(0), self._trainable_parameters(), retain_graph=True)
         return norms.sum()
 
     def training_step(self, model, inputs, num_items_in_batch):

@@ -33,7 +33,7 @@ def test_variance_smoke(saved_tiny_model, tmp_path):
 
 
 def test_overhead_smoke(saved_tiny_model, tmp_path):
-    run("overhead.py", "--model", str(saved_tiny_model), "--variants", "grpo", "oblrpo", "exact", "--repeats", "1",
+    run("overhead.py", "--model", str(saved_tiny_model), "--variants", "grpo", "oblrpo", "exact", "exact-naive", "--repeats", "1",
         "--steps", "1", "--max_completion_length", "4", "--output_dir", str(tmp_path))
     summary = {row["variant"]: row for row in json.loads((tmp_path / "overhead.json").read_text())["summary"]}
     assert summary["grpo"]["time_ratio"] == 1.0 and summary["oblrpo"]["time_ratio"] > 0

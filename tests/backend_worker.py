@@ -1,0 +1,95 @@
+"""One short training run under a real backend, for `test_gpu.py`:
+
+    accelerate launch --config_file recipes/accelerate_configs/zero3.yaml --num_processes 1 tests/backend_worker.py OUT
+
+Records, for every call of the innermost torch optimizer's `step` (DeepSpeed's ZeRO optimizers call it once per
+param group), the learning rate it actually used (read by a step pre-hook registered after the trainer's), the
+scheduled rate and factor the trainer applied, and whether the
+parameters that optimizer holds (gathered from ZeRO-3's partitions) changed and stayed finite. Rank 0 writes
+them to OUT as JSON.
+"""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "disabled")
+
+import torch  # noqa: E402
+from datasets import Dataset  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
+
+from oblr_trl import OBLRPOConfig, OBLRPOTrainer  # noqa: E402
+from oblr_trl.optim_hooks import innermost_optimizer  # noqa: E402
+from oblr_trl.testing import tiny_causal_lm, tiny_tokenizer  # noqa: E402
+
+
+def digit_fraction_reward(completions, **kwargs):
+    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
+
+
+class StepRecorder(TrainerCallback):
+    def __init__(self):
+        self.trainer = None
+        self.used_lrs, self.logged = [], []
+        self.hooked = None
+
+    def _record_lr(self, optimizer, args, kwargs):
+        self.used_lrs.append(float(optimizer.param_groups[0]["lr"]))
+
+    def _snapshot(self):
+        # the full weights, gathered from ZeRO-3's partitions where they are sharded
+        state = self.trainer.accelerator.get_state_dict(self.trainer.model_wrapped)
+        return torch.cat([value.detach().float().flatten().cpu() for value in state.values()])
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        optimizer = innermost_optimizer(self.trainer.optimizer)
+        if self.hooked is not optimizer:  # after the trainer's hooks: this one sees the scaled rate
+            optimizer.register_step_pre_hook(self._record_lr)
+            self.hooked = optimizer
+            self.initial = self._snapshot()
+            scale = self.trainer._lr_scale
+            log = scale.on_scaled
+
+            def recording_log(scheduled, factor):
+                self.logged.append((scheduled, factor))
+                log(scheduled, factor)
+
+            scale.on_scaled = recording_log
+
+
+def main(out: str) -> None:
+    tokenizer = tiny_tokenizer()
+    model = tiny_causal_lm(tokenizer, hidden_size=64, num_layers=2)
+    prompts = [f"{a}+{b}=" for a in range(8) for b in range(4)]
+    args = OBLRPOConfig(
+        output_dir=os.path.join(os.path.dirname(out), "run"), per_device_train_batch_size=4,
+        gradient_accumulation_steps=2, num_generations=4, max_completion_length=8, max_steps=4, learning_rate=1e-2,
+        generation_kwargs={"sequence_bias": [[[1], 3.0]]}, lr_scheduler_type="linear", snr_warmup_steps=0, snr_ema_decay=0.0, logging_steps=1, report_to="none",
+        save_strategy="no", bf16=torch.cuda.is_available(), baseline_weights=os.environ.get("WEIGHTS", "logit"),
+    )
+    recorder = StepRecorder()
+    trainer = OBLRPOTrainer(model=model, reward_funcs=digit_fraction_reward, args=args,
+                            train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tokenizer,
+                            callbacks=[recorder])
+    recorder.trainer = trainer
+    trainer.train()
+    final = recorder._snapshot()
+    if trainer.accelerator.is_main_process:
+        with open(out, "w") as f:
+            json.dump({
+                "distributed_type": str(trainer.accelerator.distributed_type),
+                "optimizer": type(trainer.optimizer.optimizer).__name__,
+                "innermost_optimizer": type(recorder.hooked).__name__,
+                "used_lrs": recorder.used_lrs,
+                "logged": recorder.logged,
+                "floor": args.snr_lr_floor,
+                "params_changed": bool((final != recorder.initial).any()),
+                "params_finite": bool(final.isfinite().all()),
+                "log_history": trainer.state.log_history,
+            }, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,93 @@
+"""Per-sample gradient norms in one batched pass (`oblr_trl.ghost_norms`) against the one-backward-per-row oracle."""
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+
+from oblr_trl.ghost_norms import log_likelihood_grad_sq_norms
+from oblr_trl.per_sample import per_sample_grad_sq_norms
+from oblr_trl.testing import tiny_causal_lm
+
+LARGEST = []  # the largest relative error seen, printed by the last test (-s)
+
+
+def oracle(model, input_ids, attention_mask, logits_to_keep, token_scale, temperature):
+    """One backward per row of Σ_t s_t log softmax(z_t/T)[y_t], full logits: the reference."""
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def objective(i):
+        logits = model(input_ids=input_ids[i : i + 1], attention_mask=attention_mask[i : i + 1]).logits
+        logits = logits[:, -logits_to_keep - 1 : -1].float() / temperature
+        targets = input_ids[i : i + 1, -logits_to_keep:].unsqueeze(-1)
+        return (torch.log_softmax(logits, -1).gather(-1, targets).squeeze(-1) * token_scale[i : i + 1]).sum()
+
+    return per_sample_grad_sq_norms(objective, input_ids.size(0), params)
+
+
+def padded_batch(tokenizer, seed=0):
+    """Left-padded prompts of different lengths, completions of different lengths (right padding), and a pad token
+    sampled inside one completion (nn.Embedding gives the padding row no gradient)."""
+    gen = torch.Generator().manual_seed(seed)
+    batch, prompt, completion = 4, 6, 7
+    ids = torch.randint(8, 100, (batch, prompt + completion), generator=gen)
+    mask = torch.ones_like(ids)
+    ids[0, :3], mask[0, :3] = tokenizer.pad_token_id, 0
+    ids[1, -3:], mask[1, -3:] = tokenizer.pad_token_id, 0
+    ids[2, prompt + 1] = tokenizer.pad_token_id
+    scale = mask[:, -completion:].float()
+    scale[3] = torch.randn(completion, generator=gen)  # IS ratios / loss gradients: any real weights per token
+    return ids, mask, completion, scale
+
+
+def check(model, tokenizer, temperature=0.8):
+    ids, mask, keep, scale = padded_batch(tokenizer)
+    ghost = log_likelihood_grad_sq_norms(getattr(model, "get_base_model", lambda: model)(), ids, mask, keep, scale,
+                                         temperature)
+    reference = oracle(model, ids, mask, keep, scale, temperature)
+    error = ((ghost - reference).abs() / reference).max().item()
+    LARGEST.append(error)
+    assert error < 1e-4, (ghost, reference)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("architecture", ["llama", "qwen2", "qwen3"])
+def test_full_model_matches_the_per_row_loop(tokenizer, architecture, tied):
+    model = tiny_causal_lm(tokenizer, architecture, tie_word_embeddings=tied, seed=3)
+    check(model, tokenizer)
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen2", "qwen3"])
+def test_lora_matches_the_per_row_loop(tokenizer, architecture):
+    model = get_peft_model(
+        tiny_causal_lm(tokenizer, architecture, seed=3),
+        LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM"),
+    )
+    for name, param in model.named_parameters():
+        if "lora_B" in name:  # away from PEFT's zero initialisation, so that lora_A has a gradient too
+            torch.nn.init.normal_(param, std=0.1)
+    check(model, tokenizer)
+
+
+def test_some_frozen_layers_and_the_grad_attribute_is_untouched(tokenizer):
+    model = tiny_causal_lm(tokenizer, "qwen3", seed=4)
+    for param in model.model.layers[0].parameters():
+        param.requires_grad_(False)
+    model.model.embed_tokens.weight.requires_grad_(False)
+    check(model, tokenizer)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_unsupported_parameters_fail_loudly(tokenizer):
+    model = tiny_causal_lm(tokenizer, seed=3)
+    model.model.layers[0].extra = torch.nn.Conv1d(2, 2, 1)  # a trainable layer type without a per-sample rule
+    ids, mask, keep, scale = padded_batch(tokenizer)
+    with pytest.raises(NotImplementedError, match=r"`model.layers.0.extra` \(Conv1d\)"):
+        log_likelihood_grad_sq_norms(model, ids, mask, keep, scale)
+    model = tiny_causal_lm(tokenizer, seed=3)
+    model.config.final_logit_softcapping = 30.0
+    with pytest.raises(NotImplementedError, match="final_logit_softcapping"):
+        log_likelihood_grad_sq_norms(model, ids, mask, keep, scale)
+
+
+def test_report_largest_error():
+    print(f"\nlargest relative error against the per-row loop: {max(LARGEST):.2e} over {len(LARGEST)} checks")
