@@ -50,6 +50,10 @@ class OBLRPOConfig(GRPOConfig):
             Under vLLM importance-sampling correction, weight each token's contribution to w_i by ρ_t², the square of
             the IS ratio that multiplies its loss term, so that the baseline is optimal for the corrected estimator.
             Has no effect without vLLM IS correction, nor on `"uniform"` weights.
+        per_sample_batch_size (`int` or `None`, *optional*, defaults to `None`):
+            Sequences per forward and backward of the per-sample gradient norms (`"exact"` weights, `"per_sample"`
+            SNR). That pass runs without gradient checkpointing and holds every layer's activations for its chunk, so
+            a smaller value trades speed for peak memory. `None` uses `per_device_train_batch_size`.
 
         > Parameters that control the SNR-driven learning rate
 
@@ -124,6 +128,14 @@ class OBLRPOConfig(GRPOConfig):
             "'uniform' weights."
         },
     )
+    per_sample_batch_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "Sequences per forward and backward of the per-sample gradient norms ('exact' weights, "
+            "'per_sample' SNR). That pass runs without gradient checkpointing and holds every layer's activations "
+            "for its chunk, so a smaller value trades speed for peak memory. None: per_device_train_batch_size."
+        },
+    )
 
     # Parameters that control the SNR-driven learning rate
     use_snr_lr: bool = field(
@@ -186,6 +198,12 @@ class OBLRPOConfig(GRPOConfig):
             raise _invalid("snr_ema_decay", self.snr_ema_decay, "a float in [0, 1)")
         if isinstance(self.snr_warmup_steps, bool) or not isinstance(self.snr_warmup_steps, int) or self.snr_warmup_steps < 0:
             raise _invalid("snr_warmup_steps", self.snr_warmup_steps, "an integer >= 0")
+        if self.per_sample_batch_size is not None and (
+            isinstance(self.per_sample_batch_size, bool)
+            or not isinstance(self.per_sample_batch_size, int)
+            or self.per_sample_batch_size < 1
+        ):
+            raise _invalid("per_sample_batch_size", self.per_sample_batch_size, "None or an integer >= 1")
         if not 0.0 < self.snr_lr_floor <= 1.0:
             raise _invalid("snr_lr_floor", self.snr_lr_floor, "a float in (0, 1]")
 

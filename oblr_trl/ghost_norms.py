@@ -213,12 +213,13 @@ def log_likelihood_grad_sq_norms(
         embedding_grad = embedding_grad.masked_fill((input_ids == embedding.padding_idx).unsqueeze(-1), 0.0)
     if embedding.weight.requires_grad:
         norms.add(_embedding_sq(input_ids, embedding_grad))
-    if tied:
-        cross = torch.stack(
-            [
-                (delta_at_ids * (row_hidden @ embedding_grad[i].float().T)).sum()
-                for i, (delta_at_ids, row_hidden) in sorted(norms.head_cross.items())
-            ]
-        )
-        norms.add(2 * cross)
-    return norms.sq
+    if tied:  # outside the graph: the norms are weights of the loss, never a path for its gradient
+        with torch.no_grad():
+            cross = torch.stack(
+                [
+                    (delta_at_ids * (row_hidden @ embedding_grad[i].float().T)).sum()
+                    for i, (delta_at_ids, row_hidden) in sorted(norms.head_cross.items())
+                ]
+            )
+            norms.add(2 * cross)
+    return norms.sq.detach()

@@ -400,9 +400,9 @@ class OBLRPOTrainer(GRPOTrainer):
         return input_ids, attention_mask, batch["completion_ids"].size(1)
 
     def _per_sample_grad_sq_norms(self, batch: dict[str, Any], token_scale: torch.Tensor) -> torch.Tensor:
-        """‖∇_θ Σ_t s_t log p_t(y_t)‖² per completion (`oblr_trl.ghost_norms`), in chunks of the micro-batch size."""
+        """‖∇_θ Σ_t s_t log p_t(y_t)‖² per completion (`oblr_trl.ghost_norms`), in chunks of `per_sample_batch_size`."""
         input_ids, attention_mask, logits_to_keep = self._sequence_inputs(batch)
-        size = self._forward_batch_size("train" if self.model.training else "eval")
+        size = self.args.per_sample_batch_size or self._forward_batch_size("train" if self.model.training else "eval")
         with disable_gradient_checkpointing(self._policy_module, self.args.gradient_checkpointing_kwargs):
             return torch.cat(
                 [

@@ -28,6 +28,8 @@ def make(tmp_path, **kwargs):
         ("snr_warmup_steps", 1.5, ">= 0"),
         ("snr_lr_floor", 0.0, "(0, 1]"),
         ("snr_lr_floor", 1.5, "(0, 1]"),
+        ("per_sample_batch_size", 0, "None or an integer >= 1"),
+        ("per_sample_batch_size", 2.5, "None or an integer >= 1"),
     ],
 )
 def test_bad_values_name_field_and_allowed_values(tmp_path, field, value, allowed):
@@ -81,6 +83,7 @@ def test_every_new_field_is_documented():
     assert new == {
         "baseline_weights", "leave_one_out", "importance_weighted_baseline", "use_snr_lr", "snr_estimator",
         "snr_ema_decay", "snr_warmup_steps", "snr_lr_floor", "skip_nonfinite_steps", "save_on_preemption",
+        "per_sample_batch_size",
     }
     for f in fields(OBLRPOConfig):
         if f.name in new or f.name == "scale_rewards":

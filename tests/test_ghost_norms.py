@@ -44,6 +44,7 @@ def check(model, tokenizer, temperature=0.8):
     ghost = log_likelihood_grad_sq_norms(getattr(model, "get_base_model", lambda: model)(), ids, mask, keep, scale,
                                          temperature)
     reference = oracle(model, ids, mask, keep, scale, temperature)
+    assert ghost.grad_fn is None  # weights of the loss, never a path for its gradient
     error = ((ghost - reference).abs() / reference).max().item()
     LARGEST.append(error)
     assert error < 1e-4, (ghost, reference)

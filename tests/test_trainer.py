@@ -219,3 +219,45 @@ def test_model_card_credits_oblr_po(make_trainer, tmp_path):
     trainer.create_model_card(model_name="tiny-oblr")
     card = (tmp_path / "run" / "README.md").read_text()
     assert "OBLR-PO" in card and "2511.23310" in card and "huang2025oblrpo" in card and "oblr-po" in card
+
+
+def test_per_sample_batch_size_sets_the_chunks_of_the_norm_pass(make_trainer, monkeypatch):
+    """Rows do not interact, so the chunking changes peak memory, never the norms."""
+    import oblr_trl.trainer as trainer_module
+
+    chunks = []
+    batched = trainer_module.log_likelihood_grad_sq_norms
+
+    def recording(model, input_ids, *args):
+        chunks.append(input_ids.size(0))
+        return batched(model, input_ids, *args)
+
+    monkeypatch.setattr(trainer_module, "log_likelihood_grad_sq_norms", recording)
+    generator = torch.Generator().manual_seed(0)
+    batch = {
+        "prompt_ids": torch.randint(8, 60, (6, 5), generator=generator),
+        "prompt_mask": torch.ones(6, 5, dtype=torch.long),
+        "completion_ids": torch.randint(8, 60, (6, 4), generator=generator),
+        "completion_mask": torch.tensor([[1, 1, 1, 1]] * 5 + [[1, 1, 0, 0]]),
+    }
+    scale = batch["completion_mask"].float()
+    norms = {}
+    for size in (None, 1, 5):
+        chunks.clear()
+        trainer = make_trainer(baseline_weights="exact", per_sample_batch_size=size)
+        norms[size] = trainer._per_sample_grad_sq_norms(batch, scale)
+        assert chunks == {None: [4, 2], 1: [1] * 6, 5: [5, 1]}[size]  # None: per_device_train_batch_size (4)
+    assert torch.allclose(norms[1], norms[None], rtol=1e-5) and torch.allclose(norms[5], norms[None], rtol=1e-5)
+
+
+def test_exact_weights_train_a_model_with_tied_embeddings(make_trainer, tokenizer):
+    """SmolLM2 and Qwen3-0.6B/4B tie the LM head to the embeddings: the tied cross term of the norms must not leak a
+    graph into the advantages (the training backward would run into the freed norm pass)."""
+    from oblr_trl.testing import tiny_causal_lm
+
+    model = tiny_causal_lm(tokenizer, tie_word_embeddings=True)
+    before = model.get_input_embeddings().weight.detach().clone()
+    trainer = make_trainer(model=model, baseline_weights="exact", max_steps=2)
+    trainer.train()
+    after = trainer.model.get_input_embeddings().weight
+    assert after.isfinite().all() and not torch.equal(before, after)
