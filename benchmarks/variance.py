@@ -21,7 +21,6 @@ what the baseline can gain, changes with the policy.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 from pathlib import Path

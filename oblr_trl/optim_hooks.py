@@ -112,7 +112,6 @@ class StepLearningRateScale:
         self._handles = []
 
 
-
 class OptimizerStepGate:
     """Lets ``optimizer.step()`` through only when ``allowed()`` says so; otherwise the step is skipped entirely.
 

@@ -159,6 +159,8 @@ class OBLRPOTrainer(GRPOTrainer):
         # f_t of step t comes from the estimates of steps < t: under DeepSpeed the optimizer steps inside the last
         # backward, before step t's gradient norm exists, and a batch's own noise should not size its own step.
         self._step_lr_factor = self._next_lr_factor = 1.0
+        self._step_allowed: bool | None = None
+        self._step_logged = False
         self._lr_scale: StepLearningRateScale | None = None
         self._micro_batch_norms: MicroBatchGradSqNorms | None = None
         self._step_micro_batches = 0
@@ -603,18 +605,27 @@ class OBLRPOTrainer(GRPOTrainer):
         self._step_lr_factor = self._next_lr_factor
         self._step_loss_finite = torch.ones((), dtype=torch.bool)
         self._step_grad_norm_finite = True
+        # DeepSpeed's ZeRO optimizers call the torch optimizer's step once per param group: decide and log once
+        self._step_allowed = None
+        self._step_logged = False  # the factor of an applied step, or the skip of a refused one
 
     def _optimizer_step_allowed(self) -> bool:
         """Every process agrees: the step's losses, pre-clip gradient norm (when known before the step; DeepSpeed
         computes it inside its step) and learning-rate factor are all finite."""
+        if self._step_allowed is not None:
+            return self._step_allowed
         finite = self._step_loss_finite.to(self.accelerator.device) & torch.tensor(
             self._step_grad_norm_finite and math.isfinite(self._step_lr_factor), device=self.accelerator.device
         )
         if self.accelerator.num_processes > 1:
             finite = self.accelerator.gather(finite.reshape(1)).all()
-        return bool(finite)
+        self._step_allowed = bool(finite)
+        return self._step_allowed
 
     def _log_skipped_step(self) -> None:
+        if self._step_logged:
+            return
+        self._step_logged = True
         self.skipped_nonfinite_steps += 1
         self._metrics["train"]["oblr/skipped_nonfinite_steps"].append(float(self.skipped_nonfinite_steps))
         warnings.warn(
@@ -629,6 +640,9 @@ class OBLRPOTrainer(GRPOTrainer):
         return bool(requested)
 
     def _log_lr_factor(self, scheduled_lr: float, factor: float) -> None:
+        if self._step_logged:
+            return
+        self._step_logged = True
         self._metrics["train"]["snr/lr_factor"].append(factor)
         self._metrics["train"]["snr/effective_lr"].append(scheduled_lr * factor)
 

@@ -1,7 +1,6 @@
 """vLLM (colocate and server, with a test double), exact resume, graceful preemption, and the backend glue on fakes."""
 
 import json
-import math
 import os
 import signal
 import subprocess
@@ -253,3 +252,25 @@ def test_unobservable_micro_batch_gradients_fail_loudly(make_trainer):
     trainer._micro_batch_norms.remove()
     with pytest.raises(RuntimeError, match="saw no micro-batch gradient.*use_snr_lr=False"):
         trainer.train()
+
+
+def test_one_decision_and_one_log_per_step_when_the_optimizer_steps_once_per_param_group(make_trainer):
+    """DeepSpeed's ZeRO optimizers call the torch optimizer's `step` once per param group: the step is judged once
+    (one cross-process sync) and its factor or its skip is logged once."""
+    trainer = make_trainer()
+    trainer.create_optimizer()
+    optimizer = innermost_optimizer(trainer.optimizer)
+    assert len(optimizer.param_groups) == 2  # decay / no decay, as the Trainer builds them
+    trainer._next_lr_factor = 0.5
+    trainer._begin_optimizer_step()
+    optimizer.step()
+    optimizer.step()
+    assert trainer._metrics["train"]["snr/lr_factor"] == [0.5]
+
+    trainer._next_lr_factor = float("nan")
+    trainer._begin_optimizer_step()
+    optimizer.step()
+    trainer._step_lr_factor = 0.5  # the decision was taken at the step's first call and holds for the whole step
+    optimizer.step()
+    assert trainer.skipped_nonfinite_steps == 1
+    assert trainer._metrics["train"]["snr/lr_factor"] == [0.5]
