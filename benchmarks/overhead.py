@@ -168,7 +168,8 @@ def run_child(spec: dict) -> dict:
     with PeakMemory() as memory:
         trainer.train()
     timed = times[spec["warmup_steps"]:]
-    return {"variant": spec["variant"], "repeat": spec["repeat"], "step_seconds": timed,
+    return {"variant": spec["variant"], "repeat": spec["repeat"], "num_generations": trainer.args.num_generations,
+            "step_seconds": timed,
             "median_step_seconds": statistics.median(timed), "peak_memory_bytes": memory.peak}
 
 

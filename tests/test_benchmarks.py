@@ -34,8 +34,10 @@ def test_variance_smoke(saved_tiny_model, tmp_path):
 
 def test_overhead_smoke(saved_tiny_model, tmp_path):
     run("overhead.py", "--model", str(saved_tiny_model), "--variants", "grpo", "oblrpo", "exact", "exact-naive", "--repeats", "1",
-        "--steps", "1", "--max_completion_length", "4", "--output_dir", str(tmp_path))
-    summary = {row["variant"]: row for row in json.loads((tmp_path / "overhead.json").read_text())["summary"]}
+        "--steps", "1", "--max_completion_length", "4", "--set", "num_generations=4", "--output_dir", str(tmp_path))
+    results = json.loads((tmp_path / "overhead.json").read_text())
+    assert {run["num_generations"] for run in results["runs"]} == {4}  # --set reached every run (the preset has 8)
+    summary = {row["variant"]: row for row in results["summary"]}
     assert summary["grpo"]["time_ratio"] == 1.0 and summary["oblrpo"]["time_ratio"] > 0
     assert summary["exact"]["peak_memory_mib"] > 0 and (tmp_path / "overhead.png").exists()
 
