@@ -89,18 +89,43 @@ def build_trainer(
                        train_dataset=train_dataset, callbacks=list(callbacks), peft_config=peft_config)
 
 
-def run_in_subprocesses(script: str, specs: list[dict], description: str) -> list[dict]:
-    """Run ``script --child <spec>`` once per spec, each in a fresh process, and collect their RESULT lines."""
+def run_in_subprocesses(script: str, specs: list[dict], description: str, jobs: int = 1) -> list[dict]:
+    """Run ``script --child <spec>`` once per spec, each in a fresh process, ``jobs`` at a time, and collect their
+    RESULT lines in the order of ``specs``. More than one job only where runs do not time each other (a GPU with room
+    for several small models); the first failure cancels the runs not yet started."""
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+
     from tqdm.auto import tqdm
 
-    results = []
-    for spec in tqdm(specs, desc=description, unit="run"):
+    def run(spec: dict) -> dict:
         done = subprocess.run([sys.executable, script, "--child", json.dumps(spec)], capture_output=True, text=True)
         lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
         if done.returncode != 0 or not lines:
             raise RuntimeError(f"run {spec} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
-        results.append(json.loads(lines[-1][len("RESULT "):]))
-    return results
+        return json.loads(lines[-1][len("RESULT "):])
+
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        futures = [pool.submit(run, spec) for spec in specs]
+        try:
+            for future in tqdm(as_completed(futures), total=len(futures), desc=description, unit="run"):
+                future.result()
+        except BaseException:
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
+    return [future.result() for future in futures]
+
+
+def parse_overrides(items: list[str]) -> dict:
+    """``--set FIELD=VALUE`` options as a dict of config overrides, each value read as YAML (``false``, ``1e-5``)."""
+    import yaml
+
+    overrides = {}
+    for item in items:
+        field, separator, value = item.partition("=")
+        if not separator or not field:
+            raise SystemExit(f"--set expects FIELD=VALUE, got {item!r}")
+        overrides[field] = yaml.safe_load(value)
+    return overrides
 
 
 def child_main(run_child, child_spec: str) -> int:

@@ -30,6 +30,7 @@ from common import (  # noqa: E402
     child_main,
     markdown_table,
     new_figure,
+    parse_overrides,
     run_in_subprocesses,
     save_figure,
     write_results,
@@ -47,11 +48,13 @@ PRESETS = {
         "model": "builtin:smollm2-135m-instruct",
         "task": "arithmetic",
         "task_options": {"digits": 1, "operators": "+-", "num_problems": 1000},
-        "config": dict(per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=8,
+        # two groups of 4 per step: with one group per step, GRPO's std scaling is one factor for the whole step
+        # that gradient clipping (max_grad_norm=1) removes, so GRPO and RLOO took identical steps (docs below)
+        "config": dict(per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=4,
                        max_completion_length=24, learning_rate=3e-5, lr_scheduler_type="constant_with_warmup",
                        warmup_steps=5, gradient_checkpointing=False, bf16=False, use_cpu=True),
         "peft": None,
-        "steps": 24, "eval_every": 8, "eval_problems": 30, "eval_max_new_tokens": 24,
+        "steps": 24, "eval_every": 8, "eval_problems": 30, "eval_max_new_tokens": 24, "target_reward": 0.6,
     },
     "gpu": {
         "model": "Qwen/Qwen3-4B-Base",
@@ -62,7 +65,7 @@ PRESETS = {
                        warmup_steps=10, gradient_checkpointing=True, bf16=True, use_vllm=True, vllm_mode="colocate",
                        vllm_gpu_memory_utilization=0.4),
         "peft": {"r": 32, "lora_alpha": 64, "target_modules": "all-linear", "task_type": "CAUSAL_LM"},
-        "steps": 100, "eval_every": 25, "eval_problems": 200, "eval_max_new_tokens": 1024,
+        "steps": 100, "eval_every": 25, "eval_problems": 200, "eval_max_new_tokens": 1024, "target_reward": 0.7,
     },
 }
 
@@ -71,12 +74,19 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
     parser.add_argument("--model", default=None, help="override the preset's model")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
+                        help="override a field of the preset's config (YAML value), e.g. --set use_cpu=false to run "
+                             "the cpu preset on a GPU")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps per run (preset default)")
     parser.add_argument("--eval_every", type=int, default=None)
     parser.add_argument("--eval_problems", type=int, default=None)
-    parser.add_argument("--target_reward", type=float, default=0.8, help="for 'steps to reach' (5-step moving average)")
+    parser.add_argument("--target_reward", type=float, default=None,
+                        help="for 'steps to reach' (5-step moving average; preset default)")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="runs at once, each its own process (a GPU with room for several small models); "
+                             "the 'min / run' column then counts time shared with the other runs")
     parser.add_argument("--output_dir", default=str(RESULTS / "learning"))
     parser.add_argument("--name", default="learning")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -94,7 +104,8 @@ def run_child(spec: dict) -> dict:
     train = load_task(preset["task"], "train", options)
     held_out = load_task(preset["task"], "test", TaskOptions(**{**preset["task_options"], "limit": spec["eval_problems"]}))
     common = dict(output_dir=spec["output_dir"], max_steps=spec["steps"], logging_steps=1, save_strategy="no",
-                  report_to=[], seed=spec["seed"], data_seed=spec["seed"], **preset["config"])
+                  report_to=[], seed=spec["seed"], data_seed=spec["seed"],
+                  **{**preset["config"], **spec["overrides"]})
     accuracy = []
 
     class HeldOut(TrainerCallback):
@@ -113,11 +124,13 @@ def run_child(spec: dict) -> dict:
             if state.global_step % spec["eval_every"] == 0 or state.global_step == spec["steps"]:
                 self.evaluate(model, processing_class, state.global_step)
 
-    start = time.perf_counter()
+    start, started_at = time.perf_counter(), time.time()
     trainer = build_trainer(spec["model"], METHODS[spec["method"]], common, preset["peft"], train, callbacks=[HeldOut()])
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
     return {"method": spec["method"], "seed": spec["seed"], "seconds": time.perf_counter() - start,
+            "started_at": started_at, "finished_at": time.time(), "device": str(trainer.accelerator.device),
+            "learning_rate": trainer.args.learning_rate,
             "reward": [h["reward"] for h in logs], "lr_factor": [h.get("snr/lr_factor", 1.0) for h in logs],
             "accuracy": accuracy}
 
@@ -185,27 +198,33 @@ def main(argv=None):
     if args.child:
         return child_main(run_child, args.child)
     preset = PRESETS[args.preset]
+    overrides = parse_overrides(args.overrides)
+    config = {**preset["config"], **overrides}
     steps = args.steps or preset["steps"]
     eval_every = args.eval_every or preset["eval_every"]
     eval_problems = args.eval_problems or preset["eval_problems"]
+    target_reward = args.target_reward if args.target_reward is not None else preset["target_reward"]
     output_dir = Path(args.output_dir)
     specs = [
-        {"preset": args.preset, "model": args.model or preset["model"], "method": method, "seed": seed,
+        {"preset": args.preset, "model": args.model or preset["model"], "overrides": overrides, "method": method,
+         "seed": seed,
          "steps": steps, "eval_every": eval_every, "eval_problems": eval_problems,
          "output_dir": str(output_dir / "runs" / f"{method}-{seed}")}
         for seed in args.seeds for method in args.methods
     ]
-    runs = run_in_subprocesses(__file__, specs, "learning runs")
-    rows = summarise(runs, args.methods, args.target_reward)
+    runs = run_in_subprocesses(__file__, specs, "learning runs", jobs=args.jobs)
+    rows = summarise(runs, args.methods, target_reward)
     figure = plot(runs, args.methods, output_dir, args.name)
     markdown = (
         f"# Learning curves ({args.preset} preset)\n\n![learning]({figure.name})\n\n"
         f"`{args.model or preset['model']}` on {preset['task']} {preset['task_options'] or ''}; {steps} optimizer steps "
-        f"of {preset['config']['per_device_train_batch_size'] * preset['config']['gradient_accumulation_steps']} "
-        f"completions (groups of {preset['config']['num_generations']}); scheduled learning rate "
-        f"{preset['config']['learning_rate']} for every method; seeds {args.seeds}; held-out greedy accuracy on "
-        f"{eval_problems} unseen problems every {eval_every} steps; target reward {args.target_reward} "
-        "(5-step moving average).\n\n"
+        f"of {config['per_device_train_batch_size'] * config['gradient_accumulation_steps']} "
+        f"completions (groups of {config['num_generations']}, at most {config['max_completion_length']} tokens); "
+        f"scheduled learning rate {config['learning_rate']} for every method; seeds {args.seeds}; held-out greedy "
+        f"accuracy on {eval_problems} unseen problems every {eval_every} steps; target reward {target_reward} "
+        "(5-step moving average)"
+        + (f"; preset overrides `{overrides}`" if overrides else "")
+        + (f"; {args.jobs} runs at a time" if args.jobs > 1 else "") + ".\n\n"
         + markdown_table(
             ["method", "held-out acc. start", "held-out acc. final", "± seed std", "per seed", "reward (last 5)",
              "± seed std", "steps to target", "seeds reaching", "mean f_t", "min / run"],
@@ -215,7 +234,8 @@ def main(argv=None):
               r["seeds_reaching_target"], r["mean_lr_factor"], r["minutes_per_run"]] for r in rows],
         )
     )
-    write_results(output_dir, args.name, {"arguments": vars(args), "summary": rows, "runs": runs}, markdown)
+    write_results(output_dir, args.name, {"arguments": vars(args), "target_reward": target_reward, "summary": rows,
+                                          "runs": runs}, markdown)
     print(markdown)
     return 0
 

@@ -27,6 +27,7 @@ from common import (  # noqa: E402
     child_main,
     markdown_table,
     new_figure,
+    parse_overrides,
     run_in_subprocesses,
     save_figure,
     write_results,
@@ -207,18 +208,6 @@ def plot(rows, output_dir, name):
         axis.tick_params(axis="x", rotation=30)
         axis.legend()
     return save_figure(figure, output_dir, name)
-
-
-def parse_overrides(items: list[str]) -> dict:
-    import yaml
-
-    overrides = {}
-    for item in items:
-        field, separator, value = item.partition("=")
-        if not separator or not field:
-            raise SystemExit(f"--set expects FIELD=VALUE, got {item!r}")
-        overrides[field] = yaml.safe_load(value)
-    return overrides
 
 
 def main(argv=None):

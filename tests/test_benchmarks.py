@@ -44,8 +44,12 @@ def test_overhead_smoke(saved_tiny_model, tmp_path):
 
 def test_learning_smoke(saved_tiny_model, tmp_path):
     run("learning.py", "--model", str(saved_tiny_model), "--methods", "oblrpo", "grpo", "--seeds", "0", "--steps", "2",
-        "--eval_every", "1", "--eval_problems", "4", "--output_dir", str(tmp_path))
+        "--eval_every", "1", "--eval_problems", "4", "--set", "learning_rate=0.0001", "--jobs", "2",
+        "--output_dir", str(tmp_path))
     results = json.loads((tmp_path / "learning.json").read_text())
     assert [row["method"] for row in results["summary"]] == ["oblrpo", "grpo"]
+    assert {run["learning_rate"] for run in results["runs"]} == {1e-4}  # --set reached every run (the preset has 3e-5)
+    runs = results["runs"]  # --jobs 2: both runs were alive at once (each takes seconds just to import)
+    assert max(r["started_at"] for r in runs) < min(r["finished_at"] for r in runs)
     assert [point["step"] for point in results["runs"][0]["accuracy"]] == [0, 1, 2]
     assert (tmp_path / "learning.png").exists()
