@@ -4,8 +4,14 @@ For a set of prompts, sample a pool of completions per prompt from the model, co
 g_i = ∇_θ log π(o_i|q) over a stated subset of the parameters, and the rewards. Groups of G completions are then
 drawn from each pool (with replacement, many times) and, for each baseline, the trace of the covariance of the group
 estimator ĝ = (1/G) Σ_i (r_i − b_i) g_i is computed exactly from the pool's Gram matrix ⟨g_i, g_j⟩. Reported per
-baseline: tr Cov, its ratio to the group-mean (GRPO) baseline and to uniform leave-one-out (RLOO), the share of the
-exact-weight variance reduction it achieves, and how well each proxy weight correlates with the exact ‖g_i‖².
+baseline: tr Cov, its ratio to the group-mean (GRPO) baseline and to uniform leave-one-out (RLOO), the noise-to-signal
+ratio Σ_prompts tr Cov / Σ_prompts ‖E ĝ‖², the share of the exact-weight reduction of that ratio it achieves, and how
+well each proxy weight correlates with the exact ‖g_i‖².
+
+Why noise-to-signal as well as tr Cov: a baseline that includes the completion itself (the whole-group ones) shrinks
+the estimator, E ĝ ≈ (G−1)/G ∇J, and tr Cov with it by ≈ ((G−1)/G)²; with uniform weights the group mean's estimator
+is exactly (G−1)/G times RLOO's, group by group. Adam and gradient clipping undo a common scale, so two estimators
+that differ only in scale take the same steps; tr Cov / ‖E ĝ‖² does not change with scale and compares them fairly.
 
 Two exact weights are compared: the norm over the measured subset (the b* of the space the covariance is measured in)
 and the norm over the whole model, computed for every completion by the batched ghost-norm pass (what
@@ -141,7 +147,8 @@ def full_model_norms(model, prompt_ids, completions, temperature, chunk=8):
 
 
 def group_variances(gram, rewards, weights, group_size, draws, generator):
-    """tr Cov of the group estimator for each baseline, groups drawn with replacement from the pool (Gram trick)."""
+    """(tr Cov ĝ, ‖E ĝ‖²) of the group estimator for each baseline, groups drawn with replacement from the pool
+    (Gram trick). ‖E ĝ‖² is the squared norm of the mean over the draws less its own sampling noise, tr Cov / draws."""
     pool = len(rewards)
     index = torch.randint(0, pool, (draws, group_size), generator=generator)
     r = rewards[index]
@@ -151,7 +158,9 @@ def group_variances(gram, rewards, weights, group_size, draws, generator):
         coefficients = (r - baseline) / group_size
         sq_norms = torch.einsum("si,sj,sij->s", coefficients, coefficients, pair_gram)
         pooled = torch.zeros(pool, dtype=torch.float64).index_add_(0, index.reshape(-1), coefficients.reshape(-1))
-        return (sq_norms.mean() - pooled @ gram @ pooled / draws**2).item()
+        mean_sq_norm = (pooled @ gram @ pooled / draws**2).item()
+        trace = sq_norms.mean().item() - mean_sq_norm
+        return trace, mean_sq_norm - trace / draws
 
     result = {}
     for label, source, loo in BASELINES:
@@ -189,6 +198,7 @@ def measure(model_path, args, label):
     dataset = load_task("arithmetic", "test", TaskOptions(limit=args.prompts, operators=args.task_operators, seed=args.seed))
     generator = torch.Generator().manual_seed(args.seed)
     totals = {name: 0.0 for name, _, _ in BASELINES} | {ORACLE: 0.0}
+    signal = dict.fromkeys(totals, 0.0)
     all_exact, all_full, all_logit, all_length, all_rewards = [], [], [], [], []
     for i, row in enumerate(tqdm(dataset, desc=f"variance[{label}]", unit="prompt")):
         prompt_ids, completions = sample_pool(
@@ -201,14 +211,18 @@ def measure(model_path, args, label):
         del gradients
         full = full_model_norms(model, prompt_ids, completions, args.temperature)
         weights = {"exact": gram.diagonal().clone(), "exact_full": full, "logit": logit, "length": length}
-        for name, value in group_variances(gram, rewards, weights, args.group_size, args.draws, generator).items():
-            totals[name] += value
+        for name, (trace, mean_sq_norm) in group_variances(gram, rewards, weights, args.group_size, args.draws,
+                                                           generator).items():
+            totals[name] += trace
+            signal[name] += mean_sq_norm
         for bucket, values in ((all_exact, weights["exact"]), (all_full, full), (all_logit, logit), (all_length, length),
                                (all_rewards, rewards)):
             bucket.append(values)
     exact, full, logit, length = torch.cat(all_exact), torch.cat(all_full), torch.cat(all_logit), torch.cat(all_length)
     rewards = torch.cat(all_rewards)
-    reference, rloo, best = totals["group mean (GRPO)"], totals["uniform LOO (RLOO)"], totals["exact LOO"]
+    reference, rloo = totals["group mean (GRPO)"], totals["uniform LOO (RLOO)"]
+    noise_to_signal = {name: totals[name] / signal[name] if signal[name] > 0 else float("nan") for name in totals}
+    nsr_rloo, nsr_best = noise_to_signal["uniform LOO (RLOO)"], noise_to_signal["exact LOO"]
     rows = []
     for name, value in totals.items():
         rows.append({
@@ -216,7 +230,11 @@ def measure(model_path, args, label):
             "trace_cov": value,
             "ratio_to_group_mean": value / reference if reference else float("nan"),
             "ratio_to_rloo": value / rloo if rloo else float("nan"),
-            "share_of_exact_loo_reduction_vs_rloo": (rloo - value) / (rloo - best) if rloo != best else float("nan"),
+            "mean_sq_norm": signal[name],
+            "noise_to_signal": noise_to_signal[name],
+            "noise_to_signal_ratio_to_rloo": noise_to_signal[name] / nsr_rloo,
+            "share_of_exact_loo_reduction": ((nsr_rloo - noise_to_signal[name]) / (nsr_rloo - nsr_best)
+                                             if nsr_rloo != nsr_best else float("nan")),
         })
     return {
         "point": label,
@@ -240,11 +258,11 @@ def plot(points, scatter, output_dir):
     names = [row["baseline"] for row in points[0]["baselines"]]
     width = 0.8 / len(points)
     for k, point in enumerate(points):
-        ratios = [row["ratio_to_group_mean"] for row in point["baselines"]]
+        ratios = [row["noise_to_signal_ratio_to_rloo"] for row in point["baselines"]]
         axes[0].barh([i + k * width for i in range(len(names))], ratios, height=width, label=point["point"])
     axes[0].set_yticks([i + width * (len(points) - 1) / 2 for i in range(len(names))], names)
     axes[0].axvline(1.0, color="black", lw=0.8)
-    axes[0].set_xlabel("tr Cov ÷ tr Cov(group mean)")
+    axes[0].set_xlabel("noise ÷ signal (tr Cov / ‖E ĝ‖²), ÷ that of RLOO (= group mean's)")
     axes[0].invert_yaxis()
     axes[0].legend()
     axes[0].set_title("estimator variance by baseline")
@@ -278,7 +296,12 @@ def main(argv=None):
         points.append(point)
         scatter = scatter or values
     figure = plot(points, scatter, output_dir)
-    markdown = [f"# Estimator variance by baseline\n\n![variance]({figure.name})\n"]
+    markdown = [
+        f"# Estimator variance by baseline\n\n![variance]({figure.name})\n\n"
+        "tr Cov: of the one-group estimator ĝ, summed over prompts. noise ÷ signal: Σ tr Cov / Σ ‖E ĝ‖², which a "
+        "common scale does not change (whole-group baselines shrink ĝ by ≈ (G−1)/G, see the script's docstring). "
+        "Share: (RLOO's noise ÷ signal − this one's) / (RLOO's − exact LOO's).\n"
+    ]
     for point in points:
         corr = point["correlation_with_exact"]
         markdown.append(
@@ -289,9 +312,10 @@ def main(argv=None):
             f"{point['mixed_groups']} of {args.prompts} prompts with mixed outcomes; exact ‖g‖² max/min "
             f"{point['weight_spread_max_min']:.3g}.\n\n"
             + markdown_table(
-                ["baseline", "tr Cov", "÷ group mean", "÷ RLOO", "share of exact-LOO reduction (vs RLOO)"],
-                [[r["baseline"], r["trace_cov"], r["ratio_to_group_mean"], r["ratio_to_rloo"],
-                  r["share_of_exact_loo_reduction_vs_rloo"]] for r in point["baselines"]],
+                ["baseline", "tr Cov", "÷ group mean", "÷ RLOO", "noise ÷ signal", "÷ RLOO's",
+                 "share of exact-LOO reduction"],
+                [[r["baseline"], r["trace_cov"], r["ratio_to_group_mean"], r["ratio_to_rloo"], r["noise_to_signal"],
+                  r["noise_to_signal_ratio_to_rloo"], r["share_of_exact_loo_reduction"]] for r in point["baselines"]],
             )
             + "\n\n"
             + markdown_table(

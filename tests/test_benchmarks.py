@@ -53,3 +53,24 @@ def test_learning_smoke(saved_tiny_model, tmp_path):
     assert max(r["started_at"] for r in runs) < min(r["finished_at"] for r in runs)
     assert [point["step"] for point in results["runs"][0]["accuracy"]] == [0, 1, 2]
     assert (tmp_path / "learning.png").exists()
+
+
+def test_variance_noise_to_signal_ignores_the_whole_group_shrinkage():
+    """The group mean's estimator is (G-1)/G times RLOO's, group by group: tr Cov and ‖E ĝ‖² both shrink by
+    ((G-1)/G)², the noise-to-signal ratio does not; a weighted baseline changes it."""
+    import torch
+
+    sys.path.insert(0, str(BENCHMARKS))
+    from variance import group_variances
+
+    generator = torch.Generator().manual_seed(0)
+    gradients = torch.randn(16, 5, generator=generator, dtype=torch.float64) + 0.3
+    rewards = (torch.rand(16, generator=generator) < 0.4).double()
+    weights = {source: torch.rand(16, generator=generator, dtype=torch.float64) + 0.1
+               for source in ("exact", "exact_full", "logit", "length")}
+    result = group_variances(gradients @ gradients.T, rewards, weights, 4, 4000, generator)
+    (trace_mean, signal_mean), (trace_rloo, signal_rloo) = result["group mean (GRPO)"], result["uniform LOO (RLOO)"]
+    assert trace_mean / trace_rloo == pytest.approx((3 / 4) ** 2)
+    assert trace_mean / signal_mean == pytest.approx(trace_rloo / signal_rloo)
+    trace_exact, signal_exact = result["exact LOO"]
+    assert abs(trace_exact / signal_exact - trace_rloo / signal_rloo) > 1e-3 * trace_rloo / signal_rloo
