@@ -3,7 +3,8 @@
 For a set of prompts, sample a pool of completions per prompt from the model, compute the exact per-completion gradient
 g_i = ∇_θ log π(o_i|q) over a stated subset of the parameters, and the rewards. Groups of G completions are then
 drawn from each pool (with replacement, many times) and, for each baseline, the trace of the covariance of the group
-estimator ĝ = (1/G) Σ_i (r_i − b_i) g_i is computed exactly from the pool's Gram matrix ⟨g_i, g_j⟩. Reported per
+estimator ĝ = (1/G) Σ_i (r_i − b_i) g_i is computed exactly from the pool's Gram matrix ⟨g_i, g_j⟩ (gradients
+centred in the pool, see `group_variances`). Reported per
 baseline: tr Cov, its ratio to the group-mean (GRPO) baseline and to uniform leave-one-out (RLOO), the noise-to-signal
 ratio Σ_prompts tr Cov / Σ_prompts ‖E ĝ‖², the share of the exact-weight reduction of that ratio it achieves, and how
 well each proxy weight correlates with the exact ‖g_i‖².
@@ -148,8 +149,14 @@ def full_model_norms(model, prompt_ids, completions, temperature, chunk=8):
 
 def group_variances(gram, rewards, weights, group_size, draws, generator):
     """(tr Cov ĝ, ‖E ĝ‖²) of the group estimator for each baseline, groups drawn with replacement from the pool
-    (Gram trick). ‖E ĝ‖² is the squared norm of the mean over the draws less its own sampling noise, tr Cov / draws."""
+    (Gram trick). ‖E ĝ‖² is the squared norm of the mean over the draws less its own sampling noise, tr Cov / draws.
+
+    The pool stands in for the policy's distribution, so its gradients are centred first (g_i − ḡ, on the Gram
+    matrix): the score identity E[∇ log π] = 0 holds for the policy, and the pool's mean gradient ḡ is sampling noise.
+    Left in, it would add −E[b]·ḡ to every estimator's mean, so that unbiased baselines had different expectations.
+    The weights stay the uncentred ‖g_i‖², what training uses."""
     pool = len(rewards)
+    gram = gram - gram.mean(0, keepdim=True) - gram.mean(1, keepdim=True) + gram.mean()
     index = torch.randint(0, pool, (draws, group_size), generator=generator)
     r = rewards[index]
     pair_gram = gram[index[:, :, None], index[:, None, :]]

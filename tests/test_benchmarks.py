@@ -74,3 +74,7 @@ def test_variance_noise_to_signal_ignores_the_whole_group_shrinkage():
     assert trace_mean / signal_mean == pytest.approx(trace_rloo / signal_rloo)
     trace_exact, signal_exact = result["exact LOO"]
     assert abs(trace_exact / signal_exact - trace_rloo / signal_rloo) > 1e-3 * trace_rloo / signal_rloo
+    # gradients are centred in the pool (score identity): every leave-one-out baseline has the same expectation, so
+    # the same signal up to the draws' noise; uncentred, E[b]·ḡ would shift each one differently
+    for label in ("length LOO", "logit LOO (OBLR-PO default)", "exact LOO"):
+        assert result[label][1] == pytest.approx(signal_rloo, rel=0.05)
