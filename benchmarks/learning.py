@@ -13,6 +13,15 @@ sees, measured every `--eval_every` steps. The default size fits in about 90 min
 
     python benchmarks/learning.py                          # SmolLM2-135M-Instruct, one-digit + and −, 3 seeds
     python benchmarks/learning.py --preset gpu             # Qwen3-4B-Base on GSM8K (recipes/Qwen3-4B-Base)
+    python benchmarks/learning.py --set use_cpu=false --jobs 10    # the cpu preset on one GPU, 10 runs at once
+
+How the cpu preset's size was chosen: one-digit + and − starts SmolLM2-135M-Instruct at about half right (0.55
+held-out), so groups of 4 often have mixed rewards and there is room to improve; 24 tokens hold an answer with a
+short working; 8 completions per step (two groups of 4, so that GRPO's per-group std scaling differs from RLOO's,
+which one group per step and gradient clipping make identical) at about 15 s a step give 24 steps × 5 methods ×
+3 seeds in the time budget. Rewards rise from step ~12 (learning rate 3e-5 after 5 warm-up steps); on an H100 with
+4 seeds the methods without the SNR factor separated from OBLR-PO's defaults by 24–40 steps, while the seed spread
+stayed larger than the gaps among GRPO, RLOO and OBLR-PO's baseline (benchmarks/results/gpu_h100/README.md).
 """
 
 from __future__ import annotations
