@@ -6,8 +6,9 @@ drawn from each pool (with replacement, many times) and, for each baseline, the 
 estimator ĝ = (1/G) Σ_i (r_i − b_i) g_i is computed exactly from the pool's Gram matrix ⟨g_i, g_j⟩ (gradients
 centred in the pool, see `group_variances`). Reported per
 baseline: tr Cov, its ratio to the group-mean (GRPO) baseline and to uniform leave-one-out (RLOO), the noise-to-signal
-ratio Σ_prompts tr Cov / Σ_prompts ‖E ĝ‖², the share of the exact-weight reduction of that ratio it achieves, and how
-well each proxy weight correlates with the exact ‖g_i‖².
+ratio Σ_prompts tr Cov / Σ_prompts ‖E ĝ‖², the share it achieves of the reduction of that ratio by the oracle b*
+(E[w r]/E[w] with exact weights, fixed per prompt from the whole pool: what a baseline estimated from the group
+approximates), and how well each proxy weight correlates with the exact ‖g_i‖².
 
 Why noise-to-signal as well as tr Cov: a baseline that includes the completion itself (the whole-group ones) shrinks
 the estimator, E ĝ ≈ (G−1)/G ∇J, and tr Cov with it by ≈ ((G−1)/G)²; with uniform weights the group mean's estimator
@@ -229,7 +230,7 @@ def measure(model_path, args, label):
     rewards = torch.cat(all_rewards)
     reference, rloo = totals["group mean (GRPO)"], totals["uniform LOO (RLOO)"]
     noise_to_signal = {name: totals[name] / signal[name] if signal[name] > 0 else float("nan") for name in totals}
-    nsr_rloo, nsr_best = noise_to_signal["uniform LOO (RLOO)"], noise_to_signal["exact LOO"]
+    nsr_rloo, nsr_best = noise_to_signal["uniform LOO (RLOO)"], noise_to_signal[ORACLE]
     rows = []
     for name, value in totals.items():
         rows.append({
@@ -240,8 +241,8 @@ def measure(model_path, args, label):
             "mean_sq_norm": signal[name],
             "noise_to_signal": noise_to_signal[name],
             "noise_to_signal_ratio_to_rloo": noise_to_signal[name] / nsr_rloo,
-            "share_of_exact_loo_reduction": ((nsr_rloo - noise_to_signal[name]) / (nsr_rloo - nsr_best)
-                                             if nsr_rloo != nsr_best else float("nan")),
+            "share_of_oracle_reduction": ((nsr_rloo - noise_to_signal[name]) / (nsr_rloo - nsr_best)
+                                          if nsr_rloo != nsr_best else float("nan")),
         })
     return {
         "point": label,
@@ -307,7 +308,8 @@ def main(argv=None):
         f"# Estimator variance by baseline\n\n![variance]({figure.name})\n\n"
         "tr Cov: of the one-group estimator ĝ, summed over prompts. noise ÷ signal: Σ tr Cov / Σ ‖E ĝ‖², which a "
         "common scale does not change (whole-group baselines shrink ĝ by ≈ (G−1)/G, see the script's docstring). "
-        "Share: (RLOO's noise ÷ signal − this one's) / (RLOO's − exact LOO's).\n"
+        "Share of b*'s reduction: (RLOO's noise ÷ signal − this one's) / (RLOO's − the oracle b*'s), the oracle being "
+        "the variance-optimal baseline E[w r]/E[w] with exact weights, fixed per prompt from the whole pool.\n"
     ]
     for point in points:
         corr = point["correlation_with_exact"]
@@ -320,9 +322,9 @@ def main(argv=None):
             f"{point['weight_spread_max_min']:.3g}.\n\n"
             + markdown_table(
                 ["baseline", "tr Cov", "÷ group mean", "÷ RLOO", "noise ÷ signal", "÷ RLOO's",
-                 "share of exact-LOO reduction"],
+                 "share of b*'s reduction"],
                 [[r["baseline"], r["trace_cov"], r["ratio_to_group_mean"], r["ratio_to_rloo"], r["noise_to_signal"],
-                  r["noise_to_signal_ratio_to_rloo"], r["share_of_exact_loo_reduction"]] for r in point["baselines"]],
+                  r["noise_to_signal_ratio_to_rloo"], r["share_of_oracle_reduction"]] for r in point["baselines"]],
             )
             + "\n\n"
             + markdown_table(
