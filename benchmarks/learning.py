@@ -58,7 +58,7 @@ PRESETS = {
         "task": "arithmetic",
         "task_options": {"digits": 1, "operators": "+-", "num_problems": 1000},
         # two groups of 4 per step: with one group per step, GRPO's std scaling is one factor for the whole step
-        # that gradient clipping (max_grad_norm=1) removes, so GRPO and RLOO took identical steps (docs below)
+        # that gradient clipping (max_grad_norm=1) removes, so GRPO and RLOO took identical steps (module docstring)
         "config": dict(per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=4,
                        max_completion_length=24, learning_rate=3e-5, lr_scheduler_type="constant_with_warmup",
                        warmup_steps=5, gradient_checkpointing=False, bf16=False, use_cpu=True),
@@ -113,8 +113,7 @@ def run_child(spec: dict) -> dict:
     train = load_task(preset["task"], "train", options)
     held_out = load_task(preset["task"], "test", TaskOptions(**{**preset["task_options"], "limit": spec["eval_problems"]}))
     common = dict(output_dir=spec["output_dir"], max_steps=spec["steps"], logging_steps=1, save_strategy="no",
-                  report_to=[], seed=spec["seed"], data_seed=spec["seed"],
-                  **{**preset["config"], **spec["overrides"]})
+                  report_to=[], seed=spec["seed"], data_seed=spec["seed"], **spec["config"])
     accuracy = []
 
     class HeldOut(TrainerCallback):
@@ -138,8 +137,7 @@ def run_child(spec: dict) -> dict:
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
     return {"method": spec["method"], "seed": spec["seed"], "seconds": time.perf_counter() - start,
-            "started_at": started_at, "finished_at": time.time(), "device": str(trainer.accelerator.device),
-            "learning_rate": trainer.args.learning_rate,
+            "started_at": started_at, "finished_at": time.time(), "learning_rate": trainer.args.learning_rate,
             "reward": [h["reward"] for h in logs], "lr_factor": [h.get("snr/lr_factor", 1.0) for h in logs],
             "accuracy": accuracy}
 
@@ -215,8 +213,7 @@ def main(argv=None):
     target_reward = args.target_reward if args.target_reward is not None else preset["target_reward"]
     output_dir = Path(args.output_dir)
     specs = [
-        {"preset": args.preset, "model": args.model or preset["model"], "overrides": overrides, "method": method,
-         "seed": seed,
+        {"preset": args.preset, "model": args.model or preset["model"], "config": config, "method": method, "seed": seed,
          "steps": steps, "eval_every": eval_every, "eval_problems": eval_problems,
          "output_dir": str(output_dir / "runs" / f"{method}-{seed}")}
         for seed in args.seeds for method in args.methods

@@ -4,11 +4,11 @@ For a set of prompts, sample a pool of completions per prompt from the model, co
 g_i = ∇_θ log π(o_i|q) over a stated subset of the parameters, and the rewards. Groups of G completions are then
 drawn from each pool (with replacement, many times) and, for each baseline, the trace of the covariance of the group
 estimator ĝ = (1/G) Σ_i (r_i − b_i) g_i is computed exactly from the pool's Gram matrix ⟨g_i, g_j⟩ (gradients
-centred in the pool, see `group_variances`). Reported per
-baseline: tr Cov, its ratio to the group-mean (GRPO) baseline and to uniform leave-one-out (RLOO), the noise-to-signal
-ratio Σ_prompts tr Cov / Σ_prompts ‖E ĝ‖², the share it achieves of the reduction of that ratio by the oracle b*
-(E[w r]/E[w] with exact weights, fixed per prompt from the whole pool: what a baseline estimated from the group
-approximates), and how well each proxy weight correlates with the exact ‖g_i‖².
+centred in the pool, see `group_variances`). Reported per baseline: tr Cov, its ratio to the group-mean (GRPO)
+baseline and to uniform leave-one-out (RLOO), the noise-to-signal ratio Σ_prompts tr Cov / Σ_prompts ‖E ĝ‖², the
+share it achieves of the reduction of that ratio by the oracle b* (E[w r]/E[w] with exact weights, fixed per prompt
+from the whole pool: what a baseline estimated from the group approximates), and how well each proxy weight
+correlates with the exact ‖g_i‖².
 
 Why noise-to-signal as well as tr Cov: a baseline that includes the completion itself (the whole-group ones) shrinks
 the estimator, E ĝ ≈ (G−1)/G ∇J, and tr Cov with it by ≈ ((G−1)/G)²; with uniform weights the group mean's estimator
