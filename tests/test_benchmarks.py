@@ -49,6 +49,7 @@ def test_learning_smoke(saved_tiny_model, tmp_path):
     results = json.loads((tmp_path / "learning.json").read_text())
     assert [row["method"] for row in results["summary"]] == ["oblrpo", "grpo"]
     assert {run["learning_rate"] for run in results["runs"]} == {1e-4}  # --set reached every run (the preset has 3e-5)
+    assert results["target_reward"] == 0.6  # the cpu preset's target, not the gpu preset's 0.7
     runs = results["runs"]  # --jobs 2: both runs were alive at once (each takes seconds just to import)
     assert max(r["started_at"] for r in runs) < min(r["finished_at"] for r in runs)
     assert [point["step"] for point in results["runs"][0]["accuracy"]] == [0, 1, 2]
