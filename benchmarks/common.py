@@ -116,7 +116,10 @@ def run_in_subprocesses(script: str, specs: list[dict], description: str, jobs: 
 
 
 def parse_overrides(items: list[str]) -> dict:
-    """``--set FIELD=VALUE`` options as a dict of config overrides, each value read as YAML (``false``, ``1e-5``)."""
+    """``--set FIELD=VALUE`` options as a dict of config overrides, each value read as YAML (``false``, ``[1, 2]``).
+
+    Numbers are numbers in any notation: YAML 1.1 reads ``3e-4`` (no dot) as a string, which would reach the optimizer.
+    """
     import yaml
 
     overrides = {}
@@ -124,7 +127,13 @@ def parse_overrides(items: list[str]) -> dict:
         field, separator, value = item.partition("=")
         if not separator or not field:
             raise SystemExit(f"--set expects FIELD=VALUE, got {item!r}")
-        overrides[field] = yaml.safe_load(value)
+        parsed = yaml.safe_load(value)
+        if isinstance(parsed, str):
+            try:
+                parsed = float(parsed)
+            except ValueError:
+                pass
+        overrides[field] = parsed
     return overrides
 
 

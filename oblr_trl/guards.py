@@ -22,8 +22,12 @@ _TRL_REWARD_KWARGS = {"prompts", "completions", "completion_ids", "trainer_state
 _NOT_FORWARDED = {"prompt", "completion", "completion_ids"}
 
 
-def validate_training_data(dataset, reward_funcs: list, reward_names: list[str]) -> None:
-    """Refuse an empty dataset, one without a ``prompt`` column, and reward functions that need missing columns."""
+def validate_training_data(dataset, reward_funcs: list, reward_names: list[str], requires_prompt: bool = True) -> None:
+    """Refuse an empty dataset, one without a ``prompt`` column, and reward functions that need missing columns.
+
+    ``requires_prompt=False`` where TRL accepts rows without one (an ``environment_factory`` or ``rollout_func`` that
+    owns the prompts); the reward functions' columns are then not checked either, as the environment supplies them.
+    """
     from datasets import Dataset
 
     if not isinstance(dataset, Dataset):  # streaming datasets: nothing to look at before training
@@ -31,6 +35,8 @@ def validate_training_data(dataset, reward_funcs: list, reward_names: list[str])
     if len(dataset) == 0:
         raise ValueError("Invalid value for `train_dataset`: it is empty. Allowed: a dataset with at least one row.")
     columns = set(dataset.column_names)
+    if not requires_prompt:
+        return
     if "prompt" not in columns:
         raise ValueError(
             f"Invalid value for `train_dataset`: no 'prompt' column (columns: {sorted(columns)}). Allowed: a dataset "

@@ -2,7 +2,8 @@
 
 Two small pieces, each the single place that touches a training backend:
 
-* [`MicroBatchGradSqNorms`] sums ‖h_k‖² over the micro-batch gradients h_k of an optimizer step. It registers a hook
+* [`MicroBatchGradSqNorms`] sums ‖h_k‖² over the micro-batch gradients h_k of an optimizer step (and, optionally, a
+  random-projection sketch of Σ_k h_k for the cross-step SNR estimator). It registers a hook
   on every trainable parameter; a hook on a leaf tensor sees the gradient of the current backward *before* it is added
   to ``.grad`` and before DDP or DeepSpeed reduce it across ranks, so each micro-batch's local gradient is observed
   without keeping a copy of the accumulated one.
@@ -18,6 +19,8 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from .sketch import GradientSketch
+
 __all__ = ["MicroBatchGradSqNorms", "OptimizerStepGate", "StepLearningRateScale", "innermost_optimizer"]
 
 
@@ -25,21 +28,29 @@ class MicroBatchGradSqNorms:
     """Accumulates Σ_k ‖h_k‖² of the gradients that reach the given parameters while ``active`` is True.
 
     Hooks also fire for ``torch.autograd.grad`` calls (per-sample norms, `exact` weights); the owner sets ``active``
-    only around the training backward.
+    only around the training backward. With a ``sketch`` (`oblr_trl.sketch.GradientSketch` built for the same
+    parameters, in the same order), each gradient is also added to it.
     """
 
-    def __init__(self, params: Iterable[torch.nn.Parameter]):
+    def __init__(self, params: Iterable[torch.nn.Parameter], sketch: GradientSketch | None = None):
         self.active = False
+        self.sketch = sketch
         self._total: torch.Tensor | None = None
-        self._handles = [p.register_hook(self._accumulate) for p in params if p.requires_grad]
+        trainable = [p for p in params if p.requires_grad]
+        self._handles = [p.register_hook(self._hook(index)) for index, p in enumerate(trainable)]
         if not self._handles:
             raise ValueError("no trainable parameters to measure gradients on.")
 
-    def _accumulate(self, grad: torch.Tensor) -> None:
+    def _hook(self, index: int) -> Callable[[torch.Tensor], None]:
+        return lambda grad: self._accumulate(index, grad)
+
+    def _accumulate(self, index: int, grad: torch.Tensor) -> None:
         if not self.active:
             return
         sq = torch.linalg.vector_norm(grad.detach(), dtype=torch.float32).square()
         self._total = sq if self._total is None else self._total + sq.to(self._total.device)
+        if self.sketch is not None:
+            self.sketch.add(index, grad)
 
     def pop(self, device: torch.device) -> torch.Tensor:
         """Σ_k ‖h_k‖² since the last call (a float32 scalar on ``device``), and reset."""

@@ -5,8 +5,10 @@ minimises the paper's loss bound is
 
     η_t = η_max · N·SNR_t / (1 + N·SNR_t),   SNR_t = ‖μ‖² / tr(Σ),
 
-i.e. η_max / (1 + B_noise/N) with B_noise = tr(Σ)/‖μ‖², McCandlish et al.'s simple noise scale. OBLR-PO multiplies the
-scheduled learning rate by f_t = N·SNR/(1 + N·SNR) ∈ (0, 1].
+i.e. η_max / (1 + B_noise/N) with B_noise = tr(Σ)/‖μ‖², McCandlish et al.'s simple noise scale. η_max is unknown.
+Read as the configured rate ("absolute", the paper's reading) the factor f_t = N·SNR/(1 + N·SNR) ∈ (0, 1] multiplies
+a rate the user tuned for typical noise, which counts the noise twice; the default ("calibrated") takes the configured
+rate as the rate at the SNR measured early in training and scales it by f_t / f_ref.
 
 Everything here is plain arithmetic on scalars: the trainer measures squared gradient norms and hands them over.
 """
@@ -19,8 +21,10 @@ from typing import Any
 
 __all__ = [
     "BiasCorrectedEMA",
+    "CalibrationWindow",
     "NoiseEstimate",
     "SNRLearningRateController",
+    "cross_step_noise_estimate",
     "per_sample_noise_estimate",
     "snr_lr_factor",
     "two_batch_noise_estimate",
@@ -85,6 +89,32 @@ def per_sample_noise_estimate(
     return NoiseEstimate(grad_sq_norm=mean_grad_sq_norm - trace_cov / n, trace_cov=trace_cov)
 
 
+def cross_step_noise_estimate(step_sq_norm: float, cross_step_dot: float, num_units: float) -> NoiseEstimate:
+    """Cross-step estimator of ‖μ‖² and tr(Σ), with the prompt (group) as the sample unit (DESIGN §2).
+
+    Two optimizer steps whose data were generated from disjoint prompt batches have independent gradient noise, and
+    while the policy moves little between them they share the true gradient μ. So, for the step gradients G_t and
+    G_s of such a pair, each the mean over n independently drawn groups,
+
+        E⟨G_t, G_s⟩ = ‖μ‖²,    E‖G_t‖² = ‖μ‖² + tr(Σ)/n   ⇒   tr(Σ) ≈ n (‖G_t‖² − ⟨G_t, G_s⟩).
+
+    Σ here is the covariance of one group's gradient: between-prompt variance and the dependence of completions of
+    one prompt are counted as noise, as they are sampled. Completion-level estimators (micro-batches, per-sample
+    norms) treat the completions of a prompt as independent and overstate ‖μ‖². It needs no second batch size, so it
+    works with one micro-batch per step; drift of μ between the two steps biases ‖μ‖² down (by ⟨μ_t, μ_t − μ_s⟩).
+
+    The factor f = N·SNR/(1 + N·SNR) it yields with N = n is ⟨G_t, G_s⟩/‖G_t‖², whatever n is.
+
+    Args:
+        step_sq_norm: ‖G_t‖².
+        cross_step_dot: ⟨G_t, G_s⟩ (exact, or from sketches: `oblr_trl.sketch.GradientSketch`).
+        num_units: n, the groups (prompts) in a step.
+    """
+    if num_units <= 0:
+        raise ValueError(f"the cross-step estimator needs n > 0 groups per step; got n={num_units}.")
+    return NoiseEstimate(grad_sq_norm=cross_step_dot, trace_cov=num_units * (step_sq_norm - cross_step_dot))
+
+
 def snr_lr_factor(grad_sq_norm: float, trace_cov: float, num_samples: float, floor: float = 0.0) -> float:
     """f = N·SNR / (1 + N·SNR) = N‖μ‖² / (N‖μ‖² + tr Σ), clipped to [floor, 1] (DESIGN §2).
 
@@ -124,25 +154,109 @@ class BiasCorrectedEMA:
         self.decay, self.average, self.count = float(state["decay"]), float(state["average"]), int(state["count"])
 
 
-class SNRLearningRateController:
-    """Smooths per-step noise estimates and turns them into the learning-rate factor f_t (DESIGN §2).
+class CalibrationWindow:
+    """The reference factor f_ref of the calibrated SNR learning rate (DESIGN §2, "Revised after measurement").
 
-    ‖μ‖² and tr(Σ) are smoothed separately with bias-corrected EMAs and the factor uses their ratio (as gpt-neox and
-    AdaScale do): the ratio of two noisy estimates is far noisier than either. Until ``warmup_steps`` finite estimates
-    have been seen the factor is 1 (the estimate is not trusted yet); afterwards it is never below ``floor``, so a flat
-    reward landscape cannot stall training (the paper's learning-rate collapse). Non-finite estimates are skipped and
-    counted.
+    A user's learning rate is tuned for the noise their runs typically have; the calibrated mode reads it as the rate
+    at the SNR measured early in training, after the learning-rate warm-up: η_t = η_sched(t) · f_t / f_ref. f_ref is
+    N·m_s/(N·m_s + m_n) for the means m_s, m_n of the per-step ‖μ‖² and tr Σ estimates over the window.
+
+    The window opens after ``start`` measured steps and holds at least ``steps`` estimates. The reference is
+    *resolved* once the window's mean ‖μ‖² estimate is positive with a t-statistic ≥ ``min_t`` (mean over its
+    standard error); until then the window keeps growing and the factor stays 1: a signal that cannot be told from
+    noise never shrinks the step.
     """
 
-    def __init__(self, ema_decay: float, warmup_steps: int, floor: float):
+    def __init__(self, start: int, steps: int, min_t: float = 2.0):
+        if start < 0 or steps < 2:
+            raise ValueError(f"a calibration window needs start >= 0 and steps >= 2; got start={start}, steps={steps}.")
+        self.start, self.steps, self.min_t = start, steps, min_t
+        self.seen = 0
+        self.count = 0
+        self.signal_sum = self.signal_sq_sum = self.noise_sum = 0.0
+        self.resolved = False
+
+    def update(self, estimate: NoiseEstimate) -> None:
+        """Count a finite step estimate; fold it into the window once it is open and until it is resolved."""
+        self.seen += 1
+        if self.resolved or self.seen <= self.start:
+            return
+        self.count += 1
+        self.signal_sum += estimate.grad_sq_norm
+        self.signal_sq_sum += estimate.grad_sq_norm**2
+        self.noise_sum += estimate.trace_cov
+        self.resolved = self.count >= self.steps and self.t_statistic >= self.min_t
+
+    @property
+    def t_statistic(self) -> float:
+        """Mean ‖μ‖² estimate of the window over its standard error (NaN with fewer than 2 estimates)."""
+        if self.count < 2:
+            return float("nan")
+        mean = self.signal_sum / self.count
+        variance = max(self.signal_sq_sum / self.count - mean**2, 0.0) * self.count / (self.count - 1)
+        if variance == 0.0:
+            return math.inf if mean > 0 else float("nan")
+        return mean / math.sqrt(variance / self.count)
+
+    def reference(self, num_samples: float) -> float:
+        """f_ref, or NaN while the reference is not resolved."""
+        if not self.resolved:
+            return float("nan")
+        return snr_lr_factor(self.signal_sum / self.count, self.noise_sum / self.count, num_samples)
+
+    def state_dict(self) -> dict[str, Any]:
+        keys = ("seen", "count", "signal_sum", "signal_sq_sum", "noise_sum", "resolved")
+        return {key: getattr(self, key) for key in keys}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.seen, self.count = int(state["seen"]), int(state["count"])
+        self.signal_sum, self.signal_sq_sum = float(state["signal_sum"]), float(state["signal_sq_sum"])
+        self.noise_sum, self.resolved = float(state["noise_sum"]), bool(state["resolved"])
+
+
+class SNRLearningRateController:
+    """Smooths per-step noise estimates and turns them into the learning-rate factor (DESIGN §2).
+
+    ‖μ‖² and tr(Σ) are smoothed separately with bias-corrected EMAs and the factor uses their ratio (as gpt-neox and
+    AdaScale do): the ratio of two noisy estimates is far noisier than either. f_t = N·SNR/(1 + N·SNR) of the smoothed
+    SNR is then used in one of two ways:
+
+    - ``reference="absolute"`` (the paper's reading, the configured rate is η_max): the factor is f_t, 1 until
+      ``warmup_steps`` finite estimates have been seen and never below ``floor`` afterwards (so a flat reward
+      landscape cannot stall training: the paper's learning-rate collapse).
+    - ``reference="calibrated"``: the factor is clip(f_t / f_ref, min_ratio, max_ratio) with f_ref from a
+      [`CalibrationWindow`] that opens after ``calibration_start`` estimates and holds ``calibration_steps``; 1 until
+      f_ref is resolved.
+
+    Non-finite estimates are skipped and counted.
+    """
+
+    def __init__(
+        self,
+        ema_decay: float,
+        warmup_steps: int,
+        floor: float,
+        reference: str = "absolute",
+        calibration_start: int = 0,
+        calibration_steps: int = 20,
+        min_ratio: float = 1.0,
+        max_ratio: float = 2.0,
+    ):
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0; got {warmup_steps}.")
         if not 0.0 < floor <= 1.0:
             raise ValueError(f"floor must be in (0, 1]; got {floor}.")
+        if reference not in ("absolute", "calibrated"):
+            raise ValueError(f"reference must be 'absolute' or 'calibrated'; got {reference!r}.")
+        if not 0.0 < min_ratio <= 1.0 <= max_ratio:
+            raise ValueError(f"need 0 < min_ratio <= 1 <= max_ratio; got {min_ratio}, {max_ratio}.")
         self.grad_sq_norm = BiasCorrectedEMA(ema_decay)
         self.trace_cov = BiasCorrectedEMA(ema_decay)
         self.warmup_steps = warmup_steps
         self.floor = floor
+        self.reference = reference
+        self.calibration = CalibrationWindow(calibration_start, calibration_steps)
+        self.min_ratio, self.max_ratio = min_ratio, max_ratio
         self.skipped = 0
 
     def update(self, estimate: NoiseEstimate) -> bool:
@@ -152,11 +266,17 @@ class SNRLearningRateController:
             return False
         self.grad_sq_norm.update(estimate.grad_sq_norm)
         self.trace_cov.update(estimate.trace_cov)
+        self.calibration.update(estimate)
         return True
 
     @property
     def warmed_up(self) -> bool:
         return self.grad_sq_norm.count >= max(self.warmup_steps, 1)
+
+    @property
+    def resolved(self) -> bool:
+        """Whether the factor is driven by the measurement (else it is 1)."""
+        return self.calibration.resolved if self.reference == "calibrated" else self.warmed_up
 
     @property
     def snr(self) -> float:
@@ -168,21 +288,33 @@ class SNRLearningRateController:
             return signal / noise
         return float("inf") if signal > 0.0 else float("nan")
 
+    def bound_factor(self, num_samples: float) -> float:
+        """f_t = N·SNR/(1 + N·SNR) ∈ [0, 1] of the smoothed estimates, unclipped (NaN before the first estimate)."""
+        if self.grad_sq_norm.count == 0:
+            return float("nan")
+        return snr_lr_factor(self.grad_sq_norm.value, self.trace_cov.value, num_samples)
+
     def factor(self, num_samples: float) -> float:
-        """f_t for a step of ``num_samples`` samples: 1 during warm-up, else in [floor, 1]."""
-        if not self.warmed_up:
+        """The learning-rate factor for a step of ``num_samples`` samples (see the class docstring)."""
+        if not self.resolved:
             return 1.0
-        return snr_lr_factor(self.grad_sq_norm.value, self.trace_cov.value, num_samples, self.floor)
+        if self.reference == "absolute":
+            return max(self.floor, self.bound_factor(num_samples))
+        ratio = self.bound_factor(num_samples) / self.calibration.reference(num_samples)
+        return min(self.max_ratio, max(self.min_ratio, ratio))
 
     def state_dict(self) -> dict[str, Any]:
         return {
             "grad_sq_norm": self.grad_sq_norm.state_dict(),
             "trace_cov": self.trace_cov.state_dict(),
+            "calibration": self.calibration.state_dict(),
             "skipped": self.skipped,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the averages; ``warmup_steps`` and ``floor`` stay as configured now."""
+        """Restore the averages and the calibration; the options stay as configured now."""
         self.grad_sq_norm.load_state_dict(state["grad_sq_norm"])
         self.trace_cov.load_state_dict(state["trace_cov"])
+        if "calibration" in state:
+            self.calibration.load_state_dict(state["calibration"])
         self.skipped = int(state["skipped"])

@@ -35,12 +35,20 @@ from .generation_hooks import GenerationLogitStats
 from .ghost_norms import log_likelihood_grad_sq_norms
 from .guards import PreemptionSignal, name_reward_errors, validate_training_data
 from .per_sample import per_sample_grad_sq_norms, row_objective
-from .snr import NoiseEstimate, SNRLearningRateController, per_sample_noise_estimate, two_batch_noise_estimate
+from .sketch import GradientSketch
+from .snr import (
+    NoiseEstimate,
+    SNRLearningRateController,
+    cross_step_noise_estimate,
+    per_sample_noise_estimate,
+    two_batch_noise_estimate,
+)
 from .weights import length_weights, logit_proxy_weights, uniform_weights
 
 __all__ = ["OBLRPOTrainer"]
 
 STATE_FILE = "oblr_state.json"
+SKETCH_FILE = "oblr_gradient_sketch.pt"  # the last step's gradient sketch, for the cross-step SNR estimator
 
 # Keys of TRL's generation output that `_get_per_token_logps_and_entropies` takes as keyword arguments.
 _MULTIMODAL_KEYS = (
@@ -74,6 +82,9 @@ class _OBLRPOCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.trainer._attach_optimizer_hooks()
+        # the calibration of the SNR factor starts once the learning rate has reached its scheduled value
+        calibration = self.trainer.snr_controller.calibration
+        calibration.start = max(args.snr_warmup_steps, args.get_warmup_steps(state.max_steps))
         if args.save_on_preemption:
             self.trainer.preemption.install()
 
@@ -142,7 +153,10 @@ class OBLRPOTrainer(GRPOTrainer):
                 f"OBLRPOTrainer needs an OBLRPOConfig, got {type(args).__name__}. OBLRPOConfig takes every GRPOConfig "
                 "argument: replace `GRPOConfig(...)` with `OBLRPOConfig(...)`."
             )
-        reward_funcs = self._checked_reward_funcs(reward_funcs, trainer_kwargs.get("train_dataset", (*trainer_args, None)[0]))
+        environment_owned = any(trainer_kwargs.get(key) is not None for key in ("environment_factory", "rollout_func"))
+        reward_funcs = self._checked_reward_funcs(
+            reward_funcs, trainer_kwargs.get("train_dataset", (*trainer_args, None)[0]), not environment_owned
+        )
         super().__init__(model, reward_funcs, args, *trainer_args, **trainer_kwargs)
         self._check_supported(args)
         self.recipe: str | None = None  # the YAML recipe of a CLI run, added to the model card
@@ -153,9 +167,19 @@ class OBLRPOTrainer(GRPOTrainer):
         self._generation_logits: tuple[torch.Tensor, torch.Tensor] | None = None
         self._loss_outputs: tuple[torch.Tensor, ...] | None = None
         self._warned_no_reuse = False
+        self._warned_context = False
 
         # SNR-driven learning rate
-        self.snr_controller = SNRLearningRateController(args.snr_ema_decay, args.snr_warmup_steps, args.snr_lr_floor)
+        self.snr_controller = SNRLearningRateController(
+            args.snr_ema_decay,
+            args.snr_warmup_steps,
+            args.snr_lr_floor,
+            reference=args.snr_lr_reference,
+            calibration_start=args.snr_warmup_steps,  # moved past the learning-rate warm-up in on_train_begin
+            calibration_steps=args.resolved_snr_calibration_steps,
+            min_ratio=args.snr_lr_min_ratio,
+            max_ratio=args.snr_lr_max_ratio,
+        )
         # f_t of step t comes from the estimates of steps < t: under DeepSpeed the optimizer steps inside the last
         # backward, before step t's gradient norm exists, and a batch's own noise should not size its own step.
         self._step_lr_factor = self._next_lr_factor = 1.0
@@ -166,8 +190,17 @@ class OBLRPOTrainer(GRPOTrainer):
         self._step_micro_batches = 0
         self._step_samples = 0
         self._step_per_sample_sq = torch.zeros((), dtype=torch.float32)
+        # cross-step estimator: the previous step's gradient (as a sketch) and the generation batches of both steps
+        self._generation_count = 0
+        self._step_generations: set[int] = set()
+        self._previous_step: tuple[torch.Tensor, set[int]] | None = None
         if args.use_snr_lr:
-            self._micro_batch_norms = MicroBatchGradSqNorms(self._trainable_parameters())
+            trainable = self._trainable_parameters()
+            sketch = None
+            if args.snr_estimator == "cross_step":
+                # DeepSpeed ZeRO-3 keeps the full shape in `ds_shape` and an empty placeholder in `shape`
+                sketch = GradientSketch([getattr(p, "ds_shape", p.shape) for p in trainable], seed=args.seed)
+            self._micro_batch_norms = MicroBatchGradSqNorms(trainable, sketch)
 
         # Robustness: refuse non-finite steps, stop gracefully on SIGTERM/SIGINT
         self._step_gate: OptimizerStepGate | None = None
@@ -196,12 +229,12 @@ class OBLRPOTrainer(GRPOTrainer):
             )
 
     @staticmethod
-    def _checked_reward_funcs(reward_funcs, train_dataset) -> list:
+    def _checked_reward_funcs(reward_funcs, train_dataset, requires_prompt: bool = True) -> list:
         """Check the data against the reward functions before any model loads; name a reward function that fails."""
         funcs = reward_funcs if isinstance(reward_funcs, list) else [] if reward_funcs is None else [reward_funcs]
         names = [f if isinstance(f, str) else get_callable_name(f) for f in funcs]
         validate_training_data(train_dataset, [f for f in funcs if not isinstance(f, str)],
-                               [n for f, n in zip(funcs, names, strict=True) if not isinstance(f, str)])
+                               [n for f, n in zip(funcs, names, strict=True) if not isinstance(f, str)], requires_prompt)
         return [
             f if isinstance(f, (str, torch.nn.Module)) else name_reward_errors(f, name)
             for f, name in zip(funcs, names, strict=True)
@@ -211,11 +244,17 @@ class OBLRPOTrainer(GRPOTrainer):
         prompt_ids, images, multimodal_fields = super()._tokenize_prompts(prompts)
         limit = self._context_limit()
         longest = max((len(ids) for ids in prompt_ids), default=0)
-        if limit is not None and longest + self.max_completion_length > limit:
+        if limit is not None and longest >= limit:
             raise ValueError(
+                f"A prompt of {longest} tokens exceeds the model's context of {limit} tokens: nothing can be generated. "
+                f"Allowed: prompts of fewer than {limit} tokens (filter or truncate the dataset)."
+            )
+        if limit is not None and longest + self.max_completion_length > limit and not self._warned_context:
+            # TRL generates anyway (rotary models run past max_position_embeddings, degraded); say so once
+            self._warned_context = True
+            warnings.warn(
                 f"A prompt of {longest} tokens plus max_completion_length={self.max_completion_length} exceeds the "
-                f"model's context of {limit} tokens. Allowed: prompts of at most {limit - self.max_completion_length} "
-                "tokens (filter or truncate the dataset), or a smaller max_completion_length."
+                f"model's context of {limit} tokens; completions may be cut or degraded past it."
             )
         return prompt_ids, images, multimodal_fields
 
@@ -309,12 +348,16 @@ class OBLRPOTrainer(GRPOTrainer):
         return completion_ids, logprobs
 
     def _generate_and_score_completions(self, inputs):
+        if self.model.training:
+            self._generation_count += 1
         self._generation_logits = None
         reuse = self._log_sum_sq_forward is not None and not self._captures_generation_logits()
         reuse = reuse and self._trl_computes_old_logps()
         with self._recording_log_sum_sq() if reuse else contextlib.nullcontext() as record:
             output = super()._generate_and_score_completions(inputs)
         mode = "train" if self.model.training else "eval"
+        if mode == "eval" and self.num_generations_eval < 2:
+            return output  # no group to take a baseline from; evaluation does not use the advantages
         local_weights = self._completion_weights(output, record if reuse else None, mode)
         self._replace_advantages(output, local_weights, mode)
         return output
@@ -488,6 +531,7 @@ class OBLRPOTrainer(GRPOTrainer):
         finally:
             self._loss_outputs = None
         if training:
+            self._step_generations.add(self._generation_count)
             self._step_micro_batches += 1
             self._step_samples += inputs["completion_ids"].size(0)
             self._micro_batch_norms.active = True  # the backward that follows is the training one
@@ -530,21 +574,29 @@ class OBLRPOTrainer(GRPOTrainer):
 
         Scales (W processes, K micro-batches h_k in all, N samples): the optimizer's gradient is G_N = (1/W) Σ_k h_k,
         so the micro-batch estimate of the same mean is (K/W)·h_k and |G_b|² = K Σ_k ‖h_k‖² / W², with b = N/K.
-        Per-sample: the estimate from row i is (N/W)·c_i, with c_i its contribution to Σ_k h_k.
+        Per-sample: the estimate from row i is (N/W)·c_i, with c_i its contribution to Σ_k h_k. Cross-step: the
+        sketch of G_N is the sum of the processes' sketches of their Σ_k h_k, over W. The hooks see the gradients
+        before the fp16 loss scale S is taken off: norms are divided by S², sketches by S.
         """
         device = self.accelerator.device
+        norms = self._micro_batch_norms
         stats = torch.stack(
             [
-                self._micro_batch_norms.pop(device),
+                norms.pop(device),
                 torch.tensor(float(self._step_micro_batches), device=device),
                 torch.tensor(float(self._step_samples), device=device),
                 self._step_per_sample_sq.to(device),
             ]
         )
+        if norms.sketch is not None:  # one collective for the scalars and the sketch
+            stats = torch.cat([stats, norms.sketch.pop(device)])
         self._step_micro_batches, self._step_samples = 0, 0
         self._step_per_sample_sq = torch.zeros((), dtype=torch.float32)
-        micro_sq, micro_batches, samples, per_sample_sq = self.accelerator.reduce(stats, reduction="sum").tolist()
+        reduced = self.accelerator.reduce(stats, reduction="sum")
+        micro_sq, micro_batches, samples, per_sample_sq = reduced[:4].tolist()
         processes = self.accelerator.num_processes
+        loss_scale = self._loss_scale()
+        micro_sq /= loss_scale**2
         full_sq = grad_norm**2
         if micro_batches >= 1 and micro_sq == 0.0 and full_sq > 0.0:
             raise RuntimeError(
@@ -554,6 +606,7 @@ class OBLRPOTrainer(GRPOTrainer):
             )
         metrics = self._metrics["train"]
         metrics["snr/full_batch_grad_sq_norm"].append(full_sq)
+        units = samples  # what N counts in f = N·SNR/(1 + N·SNR): completions, or prompts for cross_step
 
         two_batch = None
         if micro_batches >= 2:
@@ -563,22 +616,48 @@ class OBLRPOTrainer(GRPOTrainer):
             metrics["snr/small_batch_grad_sq_norm"].append(micro_batches * micro_sq / processes**2)
         if self.args.snr_estimator == "per_sample":
             estimate = per_sample_noise_estimate((samples / processes) ** 2 * per_sample_sq, full_sq, samples)
-            if two_batch is not None:
-                metrics["snr/two_batch/grad_sq_norm"].append(two_batch.grad_sq_norm)
-                metrics["snr/two_batch/trace_cov"].append(two_batch.trace_cov)
+        elif self.args.snr_estimator == "cross_step":
+            units = samples / self.num_generations
+            estimate = self._cross_step_estimate(reduced[4:] / (processes * loss_scale), full_sq, units)
         else:
             estimate = two_batch if two_batch is not None else NoiseEstimate(float("nan"), float("nan"))
+        if two_batch is not None and self.args.snr_estimator != "two_batch":
+            metrics["snr/two_batch/grad_sq_norm"].append(two_batch.grad_sq_norm)
+            metrics["snr/two_batch/trace_cov"].append(two_batch.trace_cov)
 
-        if self.snr_controller.update(estimate):
+        if estimate is not None and self.snr_controller.update(estimate):
             metrics["snr/grad_sq_norm"].append(estimate.grad_sq_norm)
             metrics["snr/trace_cov"].append(estimate.trace_cov)
-        metrics["snr/skipped_steps"].append(float(self.snr_controller.skipped))
-        snr = self.snr_controller.snr
-        metrics["snr/grad_sq_norm_ema"].append(self.snr_controller.grad_sq_norm.value)
-        metrics["snr/trace_cov_ema"].append(self.snr_controller.trace_cov.value)
+        controller = self.snr_controller
+        metrics["snr/skipped_steps"].append(float(controller.skipped))
+        snr = controller.snr
+        metrics["snr/grad_sq_norm_ema"].append(controller.grad_sq_norm.value)
+        metrics["snr/trace_cov_ema"].append(controller.trace_cov.value)
         metrics["snr/snr"].append(snr if math.isfinite(snr) else float("nan"))
         metrics["snr/noise_scale"].append(1.0 / snr if math.isfinite(snr) and snr > 0 else float("nan"))
-        self._next_lr_factor = self.snr_controller.factor(samples)
+        metrics["snr/bound_factor"].append(controller.bound_factor(units))
+        metrics["snr/resolved"].append(float(controller.resolved))
+        if self.args.snr_lr_reference == "calibrated" and controller.calibration.resolved:
+            metrics["snr/reference_factor"].append(controller.calibration.reference(units))
+        self._next_lr_factor = controller.factor(units)
+
+    def _cross_step_estimate(self, sketch: torch.Tensor, full_sq: float, groups: float) -> NoiseEstimate | None:
+        """Pair this step's gradient sketch with the previous step's when their generation batches are disjoint."""
+        generations, self._step_generations = self._step_generations, set()
+        previous, self._previous_step = self._previous_step, None
+        if bool(torch.isfinite(sketch).all()):
+            self._previous_step = (sketch, generations)
+        if previous is None or previous[1] & generations:
+            return None  # no independent pair: not an estimate, and not a failed one
+        dot = float(torch.dot(sketch, previous[0].to(sketch.device)))
+        return cross_step_noise_estimate(full_sq, dot, groups)
+
+    def _loss_scale(self) -> float:
+        """The fp16 loss scale the micro-batch gradients were multiplied by (1 without one)."""
+        scaler = self.accelerator.scaler
+        if scaler is not None and scaler.is_enabled():
+            return float(scaler.get_scale())
+        return 1.0
 
     def _attach_optimizer_hooks(self) -> None:
         """Gate and scale the steps of the optimizer that updates the parameters (once per optimizer object).
@@ -661,8 +740,15 @@ class OBLRPOTrainer(GRPOTrainer):
         super()._save_checkpoint(model, trial)
         if self.args.should_save and self._micro_batch_norms is not None:
             folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-            state = {"snr_controller": self.snr_controller.state_dict(), "next_lr_factor": self._next_lr_factor}
+            state = {
+                "snr_controller": self.snr_controller.state_dict(),
+                "next_lr_factor": self._next_lr_factor,
+                "generation_count": self._generation_count,
+            }
             (folder / STATE_FILE).write_text(json.dumps(state, indent=2))
+            if self._previous_step is not None:
+                sketch, generations = self._previous_step
+                torch.save({"sketch": sketch.cpu(), "generations": sorted(generations)}, folder / SKETCH_FILE)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
@@ -678,3 +764,8 @@ class OBLRPOTrainer(GRPOTrainer):
         state = json.loads(Path(path).read_text())
         self.snr_controller.load_state_dict(state["snr_controller"])
         self._next_lr_factor = float(state["next_lr_factor"])
+        self._generation_count = int(state.get("generation_count", 0))
+        sketch_path = os.path.join(checkpoint, SKETCH_FILE)
+        if os.path.exists(sketch_path):
+            saved = torch.load(sketch_path, weights_only=True)
+            self._previous_step = (saved["sketch"].to(self.accelerator.device), set(saved["generations"]))

@@ -67,6 +67,7 @@ def main():
     parser.add_argument("--num_iterations", type=int, default=1)
     parser.add_argument("--baseline_weights", default="logit")
     parser.add_argument("--snr_estimator", default="two_batch")
+    parser.add_argument("--snr_lr_reference", default="absolute")
     args = parser.parse_args()
 
     tokenizer = tiny_tokenizer()
@@ -88,6 +89,7 @@ def main():
         snr_warmup_steps=1,
         baseline_weights=args.baseline_weights,
         snr_estimator=args.snr_estimator,
+        snr_lr_reference=args.snr_lr_reference,
         shuffle_dataset=False,
         seed=0,
     )

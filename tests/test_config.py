@@ -19,7 +19,12 @@ def make(tmp_path, **kwargs):
     ("field", "value", "allowed"),
     [
         ("baseline_weights", "gradient", "'logit', 'length', 'exact', 'uniform'"),
-        ("snr_estimator", "three_batch", "'two_batch', 'per_sample'"),
+        ("snr_estimator", "three_batch", "'cross_step', 'two_batch', 'per_sample'"),
+        ("snr_lr_reference", "relative", "'calibrated', 'absolute'"),
+        ("snr_calibration_steps", 1, "None or an integer >= 2"),
+        ("snr_lr_min_ratio", 0.0, "(0, 1]"),
+        ("snr_lr_min_ratio", 1.5, "(0, 1]"),
+        ("snr_lr_max_ratio", 0.9, ">= 1"),
         ("scale_rewards", "std", "'none', 'group', 'batch'"),
         ("multi_objective_aggregation", "max", "'sum_then_normalize', 'normalize_then_sum'"),
         ("snr_ema_decay", 1.0, "[0, 1)"),
@@ -43,13 +48,19 @@ def test_one_observable_batch_size_is_refused_for_two_batch(tmp_path):
     """With one process and gradient_accumulation_steps=1 the two-batch estimator cannot measure anything: the
     configuration is refused (no silent no-op) and the message lists the ways out."""
     with pytest.raises(ValueError) as error:
-        make(tmp_path, gradient_accumulation_steps=1)
+        make(tmp_path, gradient_accumulation_steps=1, snr_estimator="two_batch")
     message = str(error.value)
     assert "`snr_estimator`" in message and "gradient_accumulation_steps" in message and "per_sample" in message
     # each way out is accepted
     make(tmp_path, gradient_accumulation_steps=1, snr_estimator="per_sample")
-    make(tmp_path, gradient_accumulation_steps=1, use_snr_lr=False)
-    make(tmp_path, gradient_accumulation_steps=2)
+    make(tmp_path, gradient_accumulation_steps=1, snr_estimator="cross_step")
+    make(tmp_path, gradient_accumulation_steps=1, snr_estimator="two_batch", use_snr_lr=False)
+    make(tmp_path, gradient_accumulation_steps=2, snr_estimator="two_batch")
+
+
+def test_the_default_config_accepts_trl_defaults_one_micro_batch_per_step(tmp_path):
+    config = OBLRPOConfig(output_dir=str(tmp_path), bf16=False)  # GRPOConfig's batch layout, untouched
+    assert config.gradient_accumulation_steps == 1 and config.snr_estimator == "cross_step"
 
 
 def test_per_sample_needs_two_samples_per_step(tmp_path):
@@ -62,8 +73,12 @@ def test_defaults_follow_the_theory(tmp_path):
     config = make(tmp_path)
     assert config.scale_rewards == "none" and GRPOConfig.scale_rewards == "group"
     assert (config.baseline_weights, config.leave_one_out, config.use_snr_lr, config.snr_estimator) == (
-        "logit", True, True, "two_batch"
+        "logit", True, True, "cross_step"
     )
+    assert (config.snr_lr_reference, config.snr_lr_min_ratio, config.snr_lr_max_ratio) == ("calibrated", 1.0, 2.0)
+    assert config.resolved_snr_calibration_steps == 20
+    assert make(tmp_path, snr_ema_decay=0.95).resolved_snr_calibration_steps == 40
+    assert make(tmp_path, snr_calibration_steps=7).resolved_snr_calibration_steps == 7
     assert make(tmp_path, scale_rewards=True).scale_rewards == "group"
 
 
@@ -83,7 +98,7 @@ def test_every_new_field_is_documented():
     assert new == {
         "baseline_weights", "leave_one_out", "importance_weighted_baseline", "use_snr_lr", "snr_estimator",
         "snr_ema_decay", "snr_warmup_steps", "snr_lr_floor", "skip_nonfinite_steps", "save_on_preemption",
-        "per_sample_batch_size",
+        "per_sample_batch_size", "snr_lr_reference", "snr_calibration_steps", "snr_lr_min_ratio", "snr_lr_max_ratio",
     }
     for f in fields(OBLRPOConfig):
         if f.name in new or f.name == "scale_rewards":

@@ -42,8 +42,9 @@ def launch(tmp_path, processes, gradient_accumulation_steps, options):
     [
         {"num_iterations": 1, "baseline_weights": "logit", "snr_estimator": "two_batch"},
         {"num_iterations": 2, "baseline_weights": "exact", "snr_estimator": "per_sample"},
+        {"num_iterations": 1, "baseline_weights": "logit", "snr_estimator": "cross_step"},
     ],
-    ids=["logit-two_batch", "exact-per_sample-num_iterations2"],
+    ids=["logit-two_batch", "exact-per_sample-num_iterations2", "logit-cross_step"],
 )
 def test_two_processes_match_one(tmp_path, options):
     single = launch(tmp_path, 1, 4, options)
@@ -55,6 +56,8 @@ def test_two_processes_match_one(tmp_path, options):
         assert one["advantages"] == pytest.approx(two["advantages"], rel=1e-4, abs=1e-6)
         assert any(abs(a) > 0 for a in one["advantages"])
     assert len(single["steps"]) == len(double["steps"]) == 4
+    if options["snr_estimator"] == "cross_step":  # step 1 has no previous step to pair with
+        single["steps"], double["steps"] = single["steps"][1:], double["steps"][1:]
     for one, two in zip(single["steps"], double["steps"], strict=True):
         for key in ("snr/grad_sq_norm", "snr/trace_cov", "snr/lr_factor", "snr/effective_lr", "grad_norm"):
             assert one[key] == pytest.approx(two[key], rel=1e-3, abs=1e-7), (key, one[key], two[key])

@@ -138,8 +138,18 @@ def test_prompt_longer_than_the_context_is_refused(make_trainer, tokenizer):
     model = tiny_causal_lm(tokenizer)
     model.config.max_position_embeddings = 24
     dataset = Dataset.from_dict({"prompt": ["1+1=" * 10] * 8})
-    with pytest.raises(ValueError, match="A prompt of 40 tokens plus max_completion_length=8 exceeds the model's context of 24"):
+    with pytest.raises(ValueError, match="A prompt of 40 tokens exceeds the model's context of 24 tokens"):
         make_trainer(model=model, dataset=dataset).train()
+
+
+def test_prompt_plus_completion_past_the_context_warns_like_trl_generates(make_trainer, tokenizer):
+    from oblr_trl.testing import tiny_causal_lm
+
+    model = tiny_causal_lm(tokenizer)
+    model.config.max_position_embeddings = 12
+    dataset = Dataset.from_dict({"prompt": ["1+1=" * 2] * 8})
+    with pytest.warns(UserWarning, match="plus max_completion_length=8 exceeds the model's context of 12"):
+        make_trainer(model=model, dataset=dataset, max_steps=1).train()
 
 
 def test_empty_dataset_is_refused_before_the_model_loads(make_trainer, tmp_path):
@@ -169,7 +179,8 @@ def test_a_failing_reward_function_is_named(make_trainer):
 @pytest.mark.parametrize(
     ("overrides", "match"),
     [
-        ({"gradient_accumulation_steps": 1, "per_device_train_batch_size": 8}, "`snr_estimator`: 'two_batch' needs"),
+        ({"gradient_accumulation_steps": 1, "per_device_train_batch_size": 8, "snr_estimator": "two_batch"},
+         "`snr_estimator`: 'two_batch' needs"),
         ({"vllm_importance_sampling_clip_min": 3.0, "vllm_importance_sampling_clip_max": 2.0}, "must be less than"),
         ({"generation_batch_size": 16, "steps_per_generation": 2}, "can not be both configured"),
         ({"snr_lr_floor": 0.0}, "`snr_lr_floor`"),
@@ -213,3 +224,14 @@ def test_skip_nonfinite_steps_off_lets_nan_through(make_trainer):
     trainer = make_trainer(trainer_cls=PoisonedStep, max_steps=2, skip_nonfinite_steps=False, use_snr_lr=False)
     trainer.train()
     assert not all(torch.isfinite(p).all() for p in trainer.model.parameters())
+
+
+def test_environment_owned_prompts_are_not_refused():
+    """With an `environment_factory` or `rollout_func` the environment owns the prompts: TRL accepts rows without a
+    'prompt' column, and so do we."""
+    from oblr_trl.guards import validate_training_data
+
+    rows = Dataset.from_dict({"task_id": [0, 1]})
+    with pytest.raises(ValueError, match="no 'prompt' column"):
+        validate_training_data(rows, [], [])
+    validate_training_data(rows, [], [], requires_prompt=False)

@@ -9,6 +9,7 @@ from oblr_trl.snr import (
     BiasCorrectedEMA,
     NoiseEstimate,
     SNRLearningRateController,
+    cross_step_noise_estimate,
     per_sample_noise_estimate,
     snr_lr_factor,
     two_batch_noise_estimate,
@@ -124,3 +125,117 @@ def test_two_batch_agrees_with_per_sample_on_a_tiny_model(tiny_policy_pools):
         assert abs(diff_mean) <= 3 * diff_se
         assert abs(tb_mean - truth) <= 3 * tb_se
         assert abs(ps_mean - truth) <= 3 * ps_se
+
+
+def test_cross_step_estimator_inverts_the_expected_values_and_gives_the_ratio_factor():
+    grad_sq, trace, n = 0.2, 6.0, 4
+    step_sq = grad_sq + trace / n  # E‖G_t‖²; E⟨G_t, G_s⟩ = ‖μ‖²
+    estimate = cross_step_noise_estimate(step_sq, grad_sq, n)
+    assert estimate.grad_sq_norm == pytest.approx(grad_sq)
+    assert estimate.trace_cov == pytest.approx(trace)
+    # f = N·SNR/(1 + N·SNR) with N = n groups is ⟨G_t, G_s⟩ / ‖G_t‖², whatever n is
+    assert snr_lr_factor(estimate.grad_sq_norm, estimate.trace_cov, n) == pytest.approx(grad_sq / step_sq)
+    with pytest.raises(ValueError, match="n > 0"):
+        cross_step_noise_estimate(1.0, 0.5, 0)
+
+
+def _bandit_completion_gradients(features, teacher, group_size, generator):
+    """Per-completion REINFORCE terms A_i ∇ log π(a_i|x) / G (RLOO advantages) of a linear-softmax contextual bandit,
+    exact, float64, shaped (prompts, G, parameters): a group's gradient is their sum."""
+    logits = features @ teacher.T  # (n, V): the policy's parameters are `teacher`-shaped, evaluated at `teacher`
+    probs = torch.softmax(logits, -1)
+    actions = torch.multinomial(probs, group_size, replacement=True, generator=generator)  # (n, G)
+    rewards = (actions == logits.argmax(-1, keepdim=True)).double() + 0.3 * (actions == 1).double()
+    loo = (rewards.sum(-1, keepdim=True) - rewards) / (group_size - 1)
+    advantages = rewards - loo
+    score = torch.nn.functional.one_hot(actions, probs.size(-1)).double() - probs.unsqueeze(1)  # ∂ log π/∂ logits
+    # ∇_W: (e_a − p) xᵀ
+    terms = torch.einsum("ng,ngv,nd->ngvd", advantages, score, features) / group_size
+    return terms.reshape(features.size(0), group_size, -1)
+
+
+def test_cross_step_estimator_counts_prompt_level_noise_where_completion_level_estimators_do_not():
+    """Several prompts per step, groups of correlated completions: the cross-step estimator matches the population
+    ‖μ‖² and tr Σ (per group) within sampling error, while the micro-batch (two-batch) estimator over completions
+    overstates ‖μ‖² (issue 13: between-prompt variance is noise, not signal)."""
+    generator = torch.Generator().manual_seed(0)
+    dim, vocab, group_size, prompts = 4, 5, 4, 4
+    teacher = torch.randn(vocab, dim, generator=generator, dtype=torch.float64)
+
+    def draw_completions(n):
+        return _bandit_completion_gradients(torch.randn(n, dim, generator=generator, dtype=torch.float64), teacher,
+                                            group_size, generator)
+
+    population = draw_completions(400_000).sum(1)
+    true_mu_sq = population.mean(0).pow(2).sum().item()
+    true_trace = population.var(0).sum().item()
+
+    steps = 20_000
+    completions = draw_completions(steps * prompts).view(steps, prompts, group_size, -1)
+    step_grads = completions.sum(2).mean(1)
+    step_sq = step_grads.pow(2).sum(-1)
+    dots = (step_grads[1:] * step_grads[:-1]).sum(-1)
+    cross = [cross_step_noise_estimate(s, d, prompts) for s, d in zip(step_sq[1:].tolist(), dots.tolist(), strict=True)]
+    mu_sq = sum(e.grad_sq_norm for e in cross) / len(cross)
+    trace = sum(e.trace_cov for e in cross) / len(cross)
+    stderr = torch.tensor([e.grad_sq_norm for e in cross]).std().item() / len(cross) ** 0.5
+    assert abs(mu_sq - true_mu_sq) < 4 * stderr
+    assert trace == pytest.approx(true_trace, rel=0.05)
+
+    # two micro-batches, each with half of every group's completions (TRL shuffles a generation batch before it splits
+    # it), completions taken as the samples: ‖μ‖² comes out too large
+    halves = torch.stack([completions[:, :, : group_size // 2], completions[:, :, group_size // 2 :]], 1)
+    small_sq = (2 * halves.sum(3).mean(2)).pow(2).sum(-1).mean(-1)
+    samples = prompts * group_size
+    two_batch = [
+        two_batch_noise_estimate(s, samples / 2, f, samples)
+        for s, f in zip(small_sq.tolist(), step_sq.tolist(), strict=True)
+    ]
+    two_batch_mu_sq = sum(e.grad_sq_norm for e in two_batch) / len(two_batch)
+    assert two_batch_mu_sq > true_mu_sq + 10 * stderr
+
+
+def test_calibration_resolves_only_a_clear_signal_and_keeps_the_factor_at_one_until_then():
+    controller = SNRLearningRateController(0.5, 0, 0.1, reference="calibrated", calibration_start=2,
+                                           calibration_steps=4)
+    noise_only = [1.0, -1.0, 1.2, -0.9, 0.8, -1.1, 0.9, -1.0]
+    for value in noise_only:
+        controller.update(NoiseEstimate(value, 10.0))
+        assert controller.factor(8) == 1.0 and not controller.resolved
+    assert math.isnan(controller.calibration.reference(8))
+
+    steady = SNRLearningRateController(0.5, 0, 0.1, reference="calibrated", calibration_start=2, calibration_steps=4)
+    for value in [5.0, 5.0, 1.0, 1.1, 0.9, 1.0]:  # the first two are before the window opens
+        assert steady.factor(8) == 1.0
+        steady.update(NoiseEstimate(value, 10.0))
+    assert steady.resolved
+    assert steady.calibration.reference(8) == pytest.approx(snr_lr_factor(1.0, 10.0, 8))
+
+
+@pytest.mark.parametrize(("signal", "expected"), [(1.0, None), (4.0, "larger"), (0.6, "smaller"), (-1.0, 0.5),
+                                                  (100.0, 2.0)])
+def test_calibrated_factor_follows_the_snr_relative_to_the_reference_within_its_clamps(signal, expected):
+    controller = SNRLearningRateController(0.0, 0, 0.1, reference="calibrated", calibration_start=0,
+                                           calibration_steps=3, min_ratio=0.5, max_ratio=2.0)
+    for value in [0.9, 1.0, 1.1]:
+        controller.update(NoiseEstimate(value, 10.0))
+    at_reference = controller.factor(8)
+    assert at_reference == pytest.approx(snr_lr_factor(1.1, 10.0, 8) / snr_lr_factor(1.0, 10.0, 8))
+    controller.update(NoiseEstimate(signal, 10.0))  # β = 0: the factor follows the latest estimate
+    factor = controller.factor(8)
+    if expected == "larger":
+        assert 1.0 < factor < 2.0
+    elif expected == "smaller":
+        assert 0.5 < factor < 1.0
+    elif expected is not None:
+        assert factor == expected
+
+
+def test_calibration_state_round_trips():
+    controller = SNRLearningRateController(0.9, 0, 0.1, reference="calibrated", calibration_start=1, calibration_steps=2)
+    for value in [1.0, 2.0, 2.1, 1.9]:
+        controller.update(NoiseEstimate(value, 3.0))
+    restored = SNRLearningRateController(0.9, 0, 0.1, reference="calibrated", calibration_start=1, calibration_steps=2)
+    restored.load_state_dict(controller.state_dict())
+    assert restored.resolved == controller.resolved and restored.factor(4) == controller.factor(4)
+    assert restored.calibration.state_dict() == controller.calibration.state_dict()

@@ -153,7 +153,7 @@ def test_learning_rate_is_schedule_times_logged_factor(make_trainer, use_snr_lr)
     probe = LearningRateProbe()
     trainer = make_trainer(
         callbacks=[probe], use_snr_lr=use_snr_lr, max_steps=5, snr_warmup_steps=1, snr_lr_floor=0.05,
-        gradient_accumulation_steps=4, per_device_train_batch_size=2,
+        gradient_accumulation_steps=4, per_device_train_batch_size=2, snr_lr_reference="absolute",
     )
     probe.trainer = trainer
     trainer.train()
@@ -169,14 +169,15 @@ def test_learning_rate_is_schedule_times_logged_factor(make_trainer, use_snr_lr)
         assert lr == pytest.approx(scheduled * factor, rel=1e-6)
         assert h["snr/effective_lr"] == pytest.approx(lr, rel=1e-6)
         assert 0.05 <= factor <= 1.0
-    assert factors[0] == 1.0  # warm-up of 1: step 1 is measured, step 2 is the first to use the estimate
+    assert factors[:2] == [1.0, 1.0]  # step 2 is the first paired with its predecessor, step 3 the first scaled
     assert any(f < 1.0 for f in factors[1:])
     # after the step, the optimizer is back on the schedule (the scheduler never sees the factor)
     assert trainer.optimizer.param_groups[0]["lr"] == trainer.lr_scheduler.get_last_lr()[0]
 
 
 def test_snr_guards_and_smoothing_are_applied(make_trainer):
-    trainer = make_trainer(max_steps=4, snr_warmup_steps=2, snr_lr_floor=0.9, snr_ema_decay=0.5)
+    trainer = make_trainer(max_steps=4, snr_warmup_steps=2, snr_lr_floor=0.9, snr_ema_decay=0.5,
+                           snr_estimator="two_batch", snr_lr_reference="absolute")
     trainer.train()
     logged = [h for h in trainer.state.log_history if "loss" in h]
     factors = [h["snr/lr_factor"] for h in logged]
@@ -261,3 +262,126 @@ def test_exact_weights_train_a_model_with_tied_embeddings(make_trainer, tokenize
     trainer.train()
     after = trainer.model.get_input_embeddings().weight
     assert after.isfinite().all() and not torch.equal(before, after)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The default SNR estimator: cross-step, one micro-batch per step, fp16 loss scale
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class StepGradientRecorder(TrainerCallback):
+    """The optimizer's gradient of every step, flattened, as the optimizer sees it (no clipping in these runs)."""
+
+    def __init__(self):
+        self.trainer = None
+        self.gradients = []
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        params = [p for p in self.trainer.model.parameters() if p.requires_grad]
+        self.gradients.append(torch.cat([p.grad.detach().reshape(-1).double() for p in params]))
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo", "bnpo", "cispo", "sapo"])
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_cross_step_estimate_is_the_inner_product_of_consecutive_step_gradients(make_trainer, loss_type, micro_batches):
+    """‖μ‖² of step t is ⟨G_t, G_{t−1}⟩ and tr Σ is n(‖G_t‖² − ⟨G_t, G_{t−1}⟩), with G the optimizer's gradient, for
+    every loss type and with one or two micro-batches per step (the tiny model's tensors are small enough to be
+    sketched exactly, so the match is exact)."""
+    recorder = StepGradientRecorder()
+    trainer = make_trainer(
+        callbacks=[recorder], loss_type=loss_type, max_steps=4, max_grad_norm=0.0, num_generations=4,
+        per_device_train_batch_size=8 // micro_batches, gradient_accumulation_steps=micro_batches,
+    )
+    recorder.trainer = trainer
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if "loss" in h]
+    assert "snr/grad_sq_norm" not in logged[0]  # step 1 has no predecessor
+    groups = 8 / 4
+    for step in range(1, 4):
+        current, previous = recorder.gradients[step], recorder.gradients[step - 1]
+        dot = torch.dot(current, previous).item()
+        assert logged[step]["snr/grad_sq_norm"] == pytest.approx(dot, rel=1e-4, abs=1e-12)
+        expected_trace = groups * (current.pow(2).sum().item() - dot)
+        assert logged[step]["snr/trace_cov"] == pytest.approx(expected_trace, rel=1e-4)
+
+
+def test_cross_step_does_not_pair_steps_that_share_a_generation_batch(make_trainer):
+    """With steps_per_generation = 2 × gradient_accumulation_steps, two optimizer steps train on one generation batch
+    (the same prompts): only steps that start a new generation batch are paired with their predecessor."""
+    trainer = make_trainer(max_steps=4, steps_per_generation=4, gradient_accumulation_steps=2)
+    trainer.train()
+    paired = ["snr/grad_sq_norm" in h for h in trainer.state.log_history if "loss" in h]
+    assert paired == [False, False, True, False]
+
+
+def test_default_config_trains_with_one_micro_batch_and_without_args(tmp_path, tokenizer, monkeypatch):
+    """`OBLRPOTrainer(model, reward_funcs, train_dataset=...)` with GRPOConfig's defaults (one micro-batch of 8 per
+    step). GRPOConfig defaults to bf16, which transformers refuses on a machine without a bf16 GPU for GRPOTrainer
+    alike: the check is told this machine has one (autocast runs bf16 on the CPU)."""
+    import transformers.training_args
+    from datasets import Dataset
+
+    from oblr_trl.testing import tiny_causal_lm
+
+    monkeypatch.setattr(transformers.training_args, "is_torch_bf16_gpu_available", lambda: True)
+    monkeypatch.chdir(tmp_path)
+    trainer = OBLRPOTrainer(
+        model=tiny_causal_lm(tokenizer),
+        reward_funcs=digit_fraction_reward,
+        train_dataset=Dataset.from_dict({"prompt": ["1+2=", "3+4="]}),
+        processing_class=tokenizer,
+    )
+    assert trainer.args.gradient_accumulation_steps == 1 and trainer.args.snr_estimator == "cross_step"
+    trainer.train()
+    assert trainer.state.global_step == trainer.state.max_steps >= 2
+    # every step after the first was paired with its predecessor and measured
+    assert trainer.snr_controller.grad_sq_norm.count == trainer.state.max_steps - 1
+    assert math.isfinite(trainer.snr_controller.bound_factor(1))
+
+
+def test_eval_with_one_generation_per_prompt(make_trainer, prompt_dataset):
+    """Evaluation takes no baseline (advantages are not used there), so one completion per prompt is fine, as in TRL."""
+    trainer = make_trainer(num_generations_eval=1, per_device_eval_batch_size=4, max_steps=1)
+    metrics = trainer.evaluate(eval_dataset=prompt_dataset.select(range(4)))
+    assert math.isfinite(metrics["eval_reward"])
+
+
+def _snr_logs(make_trainer, scaler_scale):
+    trainer = make_trainer(fp16=True, use_cpu=True, max_steps=3, snr_estimator="two_batch")
+    if scaler_scale is not None:  # accelerate gives a CPU run no scaler; install the one a GPU run would have
+        trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=scaler_scale, growth_interval=1000)
+        trainer.accelerator.native_amp = True
+    trainer.train()
+    return [h for h in trainer.state.log_history if "loss" in h]
+
+
+def test_fp16_loss_scale_is_taken_off_the_hooked_gradients(make_trainer):
+    """Under fp16 the hooks see micro-batch gradients times the loss scale S while the step norm is unscaled: without
+    dividing by S² the micro-batch norms (and tr Σ) would be S² = 2^20 times too large."""
+    plain, scaled = _snr_logs(make_trainer, None), _snr_logs(make_trainer, 1024.0)
+    for a, b in zip(plain, scaled, strict=True):
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-3)
+        assert b["snr/small_batch_grad_sq_norm"] == pytest.approx(a["snr/small_batch_grad_sq_norm"], rel=1e-3)
+
+
+def test_calibrated_factor_moves_the_rate_once_the_reference_is_resolved(make_trainer):
+    """The default mode in the loop: factor 1 while the reference is unresolved, then clip(f_t/f_ref) applied to the
+    optimizer's rate (the resolution test is relaxed so that a 7-step run resolves it)."""
+    probe = LearningRateProbe()
+    trainer = make_trainer(callbacks=[probe], max_steps=7, snr_warmup_steps=0, snr_calibration_steps=2,
+                           snr_lr_min_ratio=0.5, snr_lr_max_ratio=2.0, snr_ema_decay=0.0)
+    trainer.snr_controller.calibration.min_t = -math.inf
+    probe.trainer = trainer
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if "loss" in h]
+    resolved = [h["snr/resolved"] for h in logged]
+    factors = [h["snr/lr_factor"] for h in logged]
+    # estimates from step 2 on; the window of 2 is full after step 3; step 4 is the first with the calibrated factor
+    assert resolved == [0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+    assert factors[:3] == [1.0, 1.0, 1.0]
+    assert len(set(factors[3:])) > 1 and all(0.5 <= f <= 2.0 for f in factors)
+    for (lr, scheduled), factor in zip(probe.seen, factors, strict=True):
+        assert lr == pytest.approx(scheduled * factor, rel=1e-6)
+    reference = logged[-1]["snr/reference_factor"]
+    for h, factor in zip(logged[3:], factors[4:], strict=False):  # step t's factor comes from step t−1's estimate
+        assert factor == pytest.approx(min(2.0, max(0.5, h["snr/bound_factor"] / reference)), rel=1e-5)

@@ -1,0 +1,49 @@
+"""The gradient sketch behind the cross-step SNR estimator: unbiased, accurate, the same on every process."""
+
+import torch
+
+from oblr_trl.sketch import GradientSketch
+
+
+def _sketch_of(sketch: GradientSketch, tensors) -> torch.Tensor:
+    for index, tensor in enumerate(tensors):
+        sketch.add(index, tensor)
+    return sketch.pop(torch.device("cpu"))
+
+
+def test_small_tensors_are_kept_exactly_and_large_ones_projected():
+    shapes = [torch.Size([3, 4]), torch.Size([200, 64]), torch.Size([64, 300]), torch.Size([5000])]
+    sketch = GradientSketch(shapes, rank=8, exact_below=4096)
+    assert sketch.size == 12 + 64 * 8 + 64 * 8 + 8
+    generator = torch.Generator().manual_seed(0)
+    x = [torch.randn(s, generator=generator) for s in shapes]
+    flat = _sketch_of(sketch, x)
+    assert torch.equal(flat[:12], x[0].reshape(-1))
+
+
+def test_sketch_inner_products_are_unbiased_and_accurate_for_correlated_gradients():
+    shapes = [torch.Size([256, 128]), torch.Size([128, 512]), torch.Size([64])]
+    generator = torch.Generator().manual_seed(1)
+    shared = [torch.randn(s, generator=generator) for s in shapes]
+    x = [a + torch.randn(a.shape, generator=generator) for a in shared]
+    y = [a + torch.randn(a.shape, generator=generator) for a in shared]
+    exact = sum((a * b).sum() for a, b in zip(x, y, strict=True)).item()
+    norm = (sum(a.pow(2).sum() for a in x) * sum(b.pow(2).sum() for b in y)).sqrt().item()
+    estimates = []
+    for seed in range(40):
+        sketch = GradientSketch(shapes, rank=8, seed=seed)
+        estimates.append(torch.dot(_sketch_of(sketch, x), _sketch_of(sketch, y)).item())
+    estimates = torch.tensor(estimates, dtype=torch.float64)
+    # one sketch: error of order ‖x‖‖y‖/√(k·kept side) ≈ 3 % here, all within 12 %; over seeds: unbiased
+    assert ((estimates - exact).abs() < 0.12 * norm).all()
+    assert (estimates - exact).abs().mean() < 0.05 * norm
+    assert abs(estimates.mean().item() - exact) < 3 * estimates.std().item() / len(estimates) ** 0.5 + 1e-9
+
+
+def test_sketches_add_up_across_micro_batches_and_processes():
+    shapes = [torch.Size([100, 80])]
+    generator = torch.Generator().manual_seed(2)
+    parts = [torch.randn(shapes[0], generator=generator) for _ in range(3)]
+    together = _sketch_of(GradientSketch(shapes, seed=5), [sum(parts)])
+    separately = sum(_sketch_of(GradientSketch(shapes, seed=5), [p]) for p in parts)  # a fresh object per "process"
+    torch.testing.assert_close(together, separately, rtol=1e-5, atol=1e-4)
