@@ -11,15 +11,17 @@ transformer batch do not interact, so row i's gradient of a parameter is built f
   ‖A_iᵀ G_i‖²_F = Σ_{t,t'} (a_t·a_t')(g_t·g_t')  ("ghost" form, O(T²(d_in+d_out))) or the materialised G_iᵀA_i
   (O(T·d_in·d_out)), whichever is cheaper; bias: ‖Σ_t g_t‖²;
 * embedding: Σ_{t,t'} [id_t = id_t'] (g_t·g_t'), i.e. the norm of the per-token gradients summed per token id (the
-  padding index, which nn.Embedding never updates, left out);
+  padding index, which nn.Embedding never updates, left out; times the square of `embed_scale` for Gemma's scaled
+  embeddings);
 * RMSNorm weight: ‖Σ_t g_t ⊙ x̂_t‖² with x̂ the normalised input;
 * LM head W (V×d), which TRL never calls as a module: with δ_t = s_t (e_{y_t} − p_t)/T the gradient w.r.t. the
-  logits and h_t the final hidden state, Σ_{t,t'} (h_t·h_t')(δ_t·δ_t');
+  logits (times 1 − tanh²(z/cap) under Gemma-style `final_logit_softcapping`) and h_t the final hidden state,
+  Σ_{t,t'} (h_t·h_t')(δ_t·δ_t');
 * tied input/output embeddings: the two contributions add before the norm, so the cross term
   2 Σ_{t,t'} δ_t'[id_t] (g_t·h_t') is added.
 
 PEFT LoRA adapters are linear layers, so they are covered. A trainable parameter of any other kind raises
-`NotImplementedError`: it is never skipped silently. The backward asks only for the gradient of the input embeddings,
+`NotImplementedError`: it is never skipped silently (the trainer then measures that model by one backward per row). The backward asks only for the gradient of the input embeddings,
 so autograd computes activation gradients but no parameter gradients (and `.grad` is left alone).
 """
 
@@ -80,21 +82,28 @@ def _rms_norm_sq(module: nn.Module, inputs: torch.Tensor, grads: torch.Tensor) -
     return per_row.pow(2).sum(-1)
 
 
+def _softcapped(raw: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """Gemma-2-style final logit soft-capping, cap·tanh(z/cap) (identity without a cap)."""
+    return raw if cap is None else cap * torch.tanh(raw / cap)
+
+
 class _LogLikelihoodHead(torch.autograd.Function):
-    """Σ_t s_t log softmax(h_t Wᵀ / T)[y_t] per row, chunked over the vocabulary in both directions.
+    """Σ_t s_t log softmax(c(h_t Wᵀ) / T)[y_t] per row, c the optional logit soft-cap, one sequence at a time.
 
     The backward recomputes the logits of one sequence at a time and, from the same probabilities, adds the LM head's
-    per-sample term (and keeps what the tied cross term needs) to ``norms``.
+    per-sample term (and keeps what the tied cross term needs) to ``norms``. With a soft-cap, the gradient w.r.t. the
+    raw logits z is the one w.r.t. the capped logits times c'(z) = 1 − tanh²(z/cap).
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, token_scale, temperature, norms, head_trainable, tied_ids):
+    def forward(ctx, hidden, weight, labels, token_scale, temperature, norms, head_trainable, tied_ids, softcap):
         log_probs = []
         for row_hidden, row_labels in zip(hidden, labels, strict=True):
-            logits = row_hidden.float() @ weight.float().T / temperature
+            logits = _softcapped(row_hidden.float() @ weight.float().T, softcap) / temperature
             log_probs.append(torch.log_softmax(logits, -1).gather(-1, row_labels.unsqueeze(-1)).squeeze(-1))
         ctx.save_for_backward(hidden, weight, labels, token_scale)
         ctx.temperature, ctx.norms, ctx.head_trainable, ctx.tied_ids = temperature, norms, head_trainable, tied_ids
+        ctx.softcap = softcap
         return (torch.stack(log_probs) * token_scale).sum(-1)
 
     @staticmethod
@@ -104,29 +113,33 @@ class _LogLikelihoodHead(torch.autograd.Function):
         grad_hidden = torch.zeros_like(hidden, dtype=torch.float32)
         head_sq = torch.zeros(hidden.shape[0], device=hidden.device)
         for i, (row_hidden, row_labels) in enumerate(zip(hidden.float(), labels, strict=True)):
-            probs = torch.softmax(row_hidden @ w.T / ctx.temperature, -1)
+            raw = row_hidden @ w.T
+            probs = torch.softmax(_softcapped(raw, ctx.softcap) / ctx.temperature, -1)
             delta = -probs
             delta[torch.arange(len(row_labels)), row_labels] += 1.0
             delta *= (grad_output[i] * token_scale[i] / ctx.temperature).unsqueeze(-1)  # ∂objective/∂logits
+            if ctx.softcap is not None:
+                delta *= 1.0 - torch.tanh(raw / ctx.softcap).square()  # ∂objective/∂(raw logits)
             grad_hidden[i] = delta @ w
             if ctx.head_trainable:
                 head_sq[i] = ((row_hidden @ row_hidden.T) * (delta @ delta.T)).sum()
             if ctx.tied_ids is not None:
                 ctx.norms.head_cross[i] = (delta[:, ctx.tied_ids[i]], row_hidden)
         ctx.norms.add(head_sq)
-        return grad_hidden.to(hidden.dtype), None, None, None, None, None, None, None
+        return grad_hidden.to(hidden.dtype), None, None, None, None, None, None, None, None
 
 
 def _model_parts(model: nn.Module):
     backbone = getattr(model, model.base_model_prefix)
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
     config = model.config.get_text_config()
-    for name in ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier", "lm_head_multiplier"):
+    for name in ("logit_scale", "logits_scaling", "output_multiplier", "lm_head_multiplier"):
         if getattr(config, name, None) not in (None, 1, 1.0):
             raise NotImplementedError(f"per-sample gradient norms do not support models with `{name}` (LM head scaling).")
     if head is None or getattr(head, "bias", None) is not None:
         raise NotImplementedError("per-sample gradient norms need a bias-free LM head.")
-    return backbone, embedding, head
+    softcap = getattr(config, "final_logit_softcapping", None)
+    return backbone, embedding, head, float(softcap) if softcap else None
 
 
 def _hooked_modules(model: nn.Module, embedding: nn.Module, head: nn.Module) -> list[nn.Module]:
@@ -171,7 +184,7 @@ def log_likelihood_grad_sq_norms(
     Returns:
         ``(B,)`` float32.
     """
-    backbone, embedding, head = _model_parts(model)
+    backbone, embedding, head, softcap = _model_parts(model)
     modules = _hooked_modules(model, embedding, head)
     norms = _Norms(input_ids.shape[0], input_ids.device)
     saved: dict[nn.Module, list[torch.Tensor]] = defaultdict(list)  # a module may run more than once per forward
@@ -202,13 +215,16 @@ def log_likelihood_grad_sq_norms(
             completion_hidden = hidden[:, -logits_to_keep - 1 : -1]
             objective = _LogLikelihoodHead.apply(
                 completion_hidden, head.weight, input_ids[:, -logits_to_keep:], token_scale.to(hidden.dtype),
-                temperature, norms, head.weight.requires_grad, input_ids if tied else None,
+                temperature, norms, head.weight.requires_grad, input_ids if tied else None, softcap,
             )
             (embedding_grad,) = torch.autograd.grad(objective.sum(), embeddings)
     finally:
         for handle in handles:
             handle.remove()
         saved.clear()
+    embed_scale = getattr(embedding, "embed_scale", None)  # Gemma's scaled embeddings: output = W[id]·scale
+    if embed_scale is not None:
+        embedding_grad = embedding_grad * float(embed_scale)  # from ∂/∂output to ∂/∂W[id]
     if embedding.padding_idx is not None:  # nn.Embedding gives its padding row no gradient
         embedding_grad = embedding_grad.masked_fill((input_ids == embedding.padding_idx).unsqueeze(-1), 0.0)
     if embedding.weight.requires_grad:

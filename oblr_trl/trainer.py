@@ -168,6 +168,7 @@ class OBLRPOTrainer(GRPOTrainer):
         self._loss_outputs: tuple[torch.Tensor, ...] | None = None
         self._warned_no_reuse = False
         self._warned_context = False
+        self._ghost_norms_unsupported: str | None = None  # why ghost norms cannot run on this model, once known
 
         # SNR-driven learning rate
         self.snr_controller = SNRLearningRateController(
@@ -445,23 +446,59 @@ class OBLRPOTrainer(GRPOTrainer):
         return input_ids, attention_mask, batch["completion_ids"].size(1)
 
     def _per_sample_grad_sq_norms(self, batch: dict[str, Any], token_scale: torch.Tensor) -> torch.Tensor:
-        """‖∇_θ Σ_t s_t log p_t(y_t)‖² per completion (`oblr_trl.ghost_norms`), in chunks of `per_sample_batch_size`."""
+        """‖∇_θ Σ_t s_t log p_t(y_t)‖² per completion (`oblr_trl.ghost_norms`), in chunks of `per_sample_batch_size`.
+
+        A model with a layer the ghost norms do not know is measured by one backward per completion instead
+        (`_looped_grad_sq_norms`), after one warning naming the layer: slower, never wrong, never an error.
+        """
         input_ids, attention_mask, logits_to_keep = self._sequence_inputs(batch)
         size = self.args.per_sample_batch_size or self._forward_batch_size("train" if self.model.training else "eval")
-        with disable_gradient_checkpointing(self._policy_module, self.args.gradient_checkpointing_kwargs):
-            return torch.cat(
-                [
-                    log_likelihood_grad_sq_norms(
-                        self._policy_module,
-                        input_ids[start : start + size],
-                        attention_mask[start : start + size],
-                        logits_to_keep,
-                        token_scale[start : start + size],
-                        self.temperature,
+        if self._ghost_norms_unsupported is None:
+            try:
+                with disable_gradient_checkpointing(self._policy_module, self.args.gradient_checkpointing_kwargs):
+                    return torch.cat(
+                        [
+                            log_likelihood_grad_sq_norms(
+                                self._policy_module,
+                                input_ids[start : start + size],
+                                attention_mask[start : start + size],
+                                logits_to_keep,
+                                token_scale[start : start + size],
+                                self.temperature,
+                            )
+                            for start in range(0, input_ids.size(0), size)
+                        ]
                     )
-                    for start in range(0, input_ids.size(0), size)
-                ]
-            )
+            except NotImplementedError as error:
+                self._ghost_norms_unsupported = str(error)
+                warnings.warn(
+                    f"{error} Per-sample gradient norms fall back to one backward per completion for this model "
+                    "(correct, slower)."
+                )
+        return self._looped_grad_sq_norms(batch, token_scale, size)
+
+    def _looped_grad_sq_norms(self, batch: dict[str, Any], token_scale: torch.Tensor, size: int) -> torch.Tensor:
+        """The same norms through the model's own forward (TRL's), one backward per completion: any architecture."""
+        input_ids, attention_mask, logits_to_keep = self._sequence_inputs(batch)
+        multimodal = {key: batch[key] for key in _MULTIMODAL_KEYS if key in batch}
+        norms = []
+        with torch.enable_grad(), disable_gradient_checkpointing(
+            self._policy_module, self.args.gradient_checkpointing_kwargs
+        ):
+            for start in range(0, input_ids.size(0), size):
+                rows = slice(start, start + size)
+                log_probs, _, _ = self._get_per_token_logps_and_entropies(
+                    self.model, input_ids[rows], attention_mask[rows], logits_to_keep, batch_size=size,
+                    **{key: value[rows] if torch.is_tensor(value) else value for key, value in multimodal.items()},
+                )
+                objectives = (log_probs * token_scale[rows].to(log_probs.dtype)).sum(-1)
+                norms.append(
+                    per_sample_grad_sq_norms(
+                        lambda i, objectives=objectives: objectives[i], objectives.size(0),
+                        self._trainable_parameters(), retain_graph=True,
+                    )
+                )
+        return torch.cat(norms).detach()
 
     def _exact_weights(self, output: dict[str, Any], mask: torch.Tensor, ratio: torch.Tensor | None) -> torch.Tensor:
         """w_i = ‖∇_θ Σ_t ρ_t log p_t(y_t)‖² over the trainable parameters, in one batched forward and backward."""

@@ -85,9 +85,26 @@ def test_unsupported_parameters_fail_loudly(tokenizer):
     with pytest.raises(NotImplementedError, match=r"`model.layers.0.extra` \(Conv1d\)"):
         log_likelihood_grad_sq_norms(model, ids, mask, keep, scale)
     model = tiny_causal_lm(tokenizer, seed=3)
-    model.config.final_logit_softcapping = 30.0
-    with pytest.raises(NotImplementedError, match="final_logit_softcapping"):
+    model.config.logit_scale = 0.5  # Cohere-style LM head scaling: no rule, so it must not be ignored
+    with pytest.raises(NotImplementedError, match="logit_scale"):
         log_likelihood_grad_sq_norms(model, ids, mask, keep, scale)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_final_logit_softcapping_matches_the_per_row_loop(tokenizer, tied):
+    """Gemma-2 caps its logits, cap·tanh(z/cap); a small cap so that the cap really bends them."""
+    from transformers import AutoModelForCausalLM, Gemma2Config
+
+    config = Gemma2Config(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=512, final_logit_softcapping=2.0,
+        tie_word_embeddings=tied, pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(5)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20)  # logits of order the cap
+    check(model, tokenizer)
 
 
 def test_report_largest_error():

@@ -385,3 +385,20 @@ def test_calibrated_factor_moves_the_rate_once_the_reference_is_resolved(make_tr
     reference = logged[-1]["snr/reference_factor"]
     for h, factor in zip(logged[3:], factors[4:], strict=False):  # step t's factor comes from step t−1's estimate
         assert factor == pytest.approx(min(2.0, max(0.5, h["snr/bound_factor"] / reference)), rel=1e-5)
+
+
+def test_a_layer_the_ghost_norms_do_not_know_falls_back_to_exact_per_row_norms(make_trainer, tokenizer):
+    """LayerNorm (Cohere-2 and others) has no ghost-norm rule: `exact` weights come from one backward per completion
+    instead, with one warning naming the layer, and equal the per-row oracle."""
+    from oblr_trl.testing import tiny_causal_lm
+
+    model = tiny_causal_lm(tokenizer)
+    model.model.norm = torch.nn.LayerNorm(model.config.hidden_size)  # a trainable layer without a per-sample rule
+    trainer = make_trainer(model=model, trainer_cls=CapturingTrainer, baseline_weights="exact", max_steps=2)
+    with pytest.warns(UserWarning, match=r"model.norm` \(LayerNorm\).*one backward per completion"):
+        trainer.train()
+    assert trainer._ghost_norms_unsupported is not None
+    output, _ = trainer.captured[-1]
+    used = trainer._per_sample_grad_sq_norms(output, output["completion_mask"].float())
+    reference = reference_weights(trainer.model, output, "exact", trainer.temperature)
+    assert torch.allclose(used, reference, rtol=1e-4)
