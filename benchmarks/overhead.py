@@ -114,26 +114,14 @@ class PeakMemory:
 
 
 def naive_exact_trainer():
-    """OBLRPOTrainer whose `exact` weights come from one forward and backward per completion (the test oracle), as
-    the only public implementation of the exact baseline does: the reference the batched version is measured against."""
-    import torch
-
+    """OBLRPOTrainer whose `exact` weights come from one forward and backward per completion (the trainer's own
+    fallback for layers without a ghost-norm rule, one completion at a time), as the only public implementation of the
+    exact baseline does: the reference the batched version is measured against."""
     from oblr_trl import OBLRPOTrainer
-    from oblr_trl.per_sample import per_sample_grad_sq_norms
 
     class NaiveExact(OBLRPOTrainer):
-        def _exact_weights(self, output, mask, ratio):
-            input_ids, attention_mask, logits_to_keep = self._sequence_inputs(output)
-            token_weight = mask.float() if ratio is None else mask.float() * ratio.float()
-
-            def log_likelihood(i):
-                log_probs, _, _ = self._get_per_token_logps_and_entropies(
-                    self.model, input_ids[i : i + 1], attention_mask[i : i + 1], logits_to_keep
-                )
-                return (log_probs * token_weight[i : i + 1]).sum()
-
-            with torch.enable_grad():
-                return per_sample_grad_sq_norms(log_likelihood, input_ids.size(0), self._trainable_parameters())
+        def _per_sample_grad_sq_norms(self, batch, token_scale):
+            return self._looped_grad_sq_norms(batch, token_scale, 1)
 
     return NaiveExact
 

@@ -45,6 +45,10 @@ class OBLRPOConfig(GRPOConfig):
             - `"length"`: the number of completion tokens (verl OPO's proxy). Free.
             - `"exact"`: the true squared gradient norm over the trainable parameters (LoRA parameters under PEFT).
             - `"uniform"`: 1 for every completion, which reduces the baseline to RLOO's (for ablations).
+
+            The weight is that of completion i's actual contribution to the loss gradient: under a per-completion
+            token mean (`loss_type` `"grpo"`, `"sapo"`) each token's term is divided by the completion's length L_i,
+            so `logit` and `length` weights are divided by L_i² and `exact` ones measure Σ_t log p_t / L_i.
         leave_one_out (`bool`, *optional*, defaults to `True`):
             Leave completion i out of its own baseline, b_i = Σ_{j≠i} w_j r_j / Σ_{j≠i} w_j, which keeps the gradient
             estimator unbiased. With `False`, one baseline per group, Σ_j w_j r_j / Σ_j w_j (verl's OPO/OTB form).

@@ -43,7 +43,7 @@ from .snr import (
     per_sample_noise_estimate,
     two_batch_noise_estimate,
 )
-from .weights import length_weights, logit_proxy_weights, uniform_weights
+from .weights import length_weights, logit_proxy_weights, loss_token_gains, uniform_weights
 
 __all__ = ["OBLRPOTrainer"]
 
@@ -381,19 +381,25 @@ class OBLRPOTrainer(GRPOTrainer):
         return None
 
     def _completion_weights(self, output: dict[str, Any], record: list | None, mode: str) -> torch.Tensor:
-        """Local weights w_i, one per completion of this process (DESIGN §2 table)."""
+        """Local weights w_i, one per completion of this process (DESIGN §2 table).
+
+        Each token's gradient enters the loss times a gain: the IS ratio ρ_t (vLLM correction) and the loss type's
+        per-completion factor (1/L_i for a per-completion token mean); squared norms take the gains squared.
+        """
         mask = self._loss_mask(output)
-        ratio = self._importance_scale(output)
         estimator = self.args.baseline_weights
         if estimator == "uniform":
             return uniform_weights(mask)
-        token_scale = None if ratio is None else ratio.float().square()
+        gains = loss_token_gains(mask, self.loss_type)
+        ratio = self._importance_scale(output)
+        if ratio is not None:
+            gains = gains * ratio.float()
         if estimator == "length":
-            return length_weights(mask, token_scale)
+            return length_weights(mask, gains.square())
         if estimator == "logit":
             log_probs, log_sum_sq = self._logit_weight_inputs(output, record, mode)
-            return logit_proxy_weights(log_probs, log_sum_sq, mask, token_scale)
-        return self._exact_weights(output, mask, ratio)
+            return logit_proxy_weights(log_probs, log_sum_sq, mask, gains.square())
+        return self._per_sample_grad_sq_norms(output, mask.float() * gains)
 
     def _logit_weight_inputs(
         self, output: dict[str, Any], record: list | None, mode: str
@@ -499,11 +505,6 @@ class OBLRPOTrainer(GRPOTrainer):
                     )
                 )
         return torch.cat(norms).detach()
-
-    def _exact_weights(self, output: dict[str, Any], mask: torch.Tensor, ratio: torch.Tensor | None) -> torch.Tensor:
-        """w_i = ‖∇_θ Σ_t ρ_t log p_t(y_t)‖² over the trainable parameters, in one batched forward and backward."""
-        token_weight = mask.float() if ratio is None else mask.float() * ratio.float()
-        return self._per_sample_grad_sq_norms(output, token_weight)
 
     def _replace_advantages(self, output: dict[str, Any], local_weights: torch.Tensor, mode: str) -> None:
         """Swap TRL's group-mean advantages for r_i − b_i computed on the gathered rewards and weights."""
@@ -674,8 +675,11 @@ class OBLRPOTrainer(GRPOTrainer):
         metrics["snr/noise_scale"].append(1.0 / snr if math.isfinite(snr) and snr > 0 else float("nan"))
         metrics["snr/bound_factor"].append(controller.bound_factor(units))
         metrics["snr/resolved"].append(float(controller.resolved))
-        if self.args.snr_lr_reference == "calibrated" and controller.calibration.resolved:
-            metrics["snr/reference_factor"].append(controller.calibration.reference(units))
+        if self.args.snr_lr_reference == "calibrated":
+            if math.isfinite(controller.calibration.t_statistic):
+                metrics["snr/calibration_t"].append(controller.calibration.t_statistic)
+            if controller.calibration.resolved:
+                metrics["snr/reference_factor"].append(controller.calibration.reference(units))
         self._next_lr_factor = controller.factor(units)
 
     def _cross_step_estimate(self, sketch: torch.Tensor, full_sq: float, groups: float) -> NoiseEstimate | None:

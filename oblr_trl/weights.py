@@ -10,12 +10,40 @@ from __future__ import annotations
 import torch
 
 __all__ = [
+    "SEQUENCE_MEAN_LOSS_TYPES",
     "length_weights",
     "log_sum_sq_probs",
+    "loss_token_gains",
     "logit_gradient_sq_norms",
     "logit_proxy_weights",
     "uniform_weights",
 ]
+
+
+# TRL loss types that average each completion's token terms over its own length (TRL 1.16 `_compute_loss`); every
+# other loss type divides the token sum by a normaliser the whole batch shares.
+SEQUENCE_MEAN_LOSS_TYPES = ("grpo", "sapo")
+
+
+def loss_token_gains(mask: torch.Tensor, loss_type: str) -> torch.Tensor:
+    """The factor c_i by which the loss scales completion i's token terms, relative to the other completions.
+
+    A completion's contribution to the loss gradient is A_i · c_i · Σ_t ψ_t (ψ_t = ∇ log p_t(y_t)); the weight of the
+    variance-optimal baseline is the squared norm of that contribution without A_i (DESIGN §2: w_i is the squared norm
+    of completion i's actual contribution for the configured `loss_type`). With a per-completion token mean
+    (`"grpo"`, `"sapo"`) c_i = 1/L_i, which reverses the length trend of a token-sum weight; otherwise c_i = 1 (a
+    normaliser shared by the batch is a common scale, which the baseline ignores).
+
+    Args:
+        mask: ``(B, T)`` 1 for tokens in the loss.
+        loss_type: TRL's ``loss_type``.
+
+    Returns:
+        ``(B, 1)`` float32 gains, to multiply per-token gradients by (their squares multiply squared norms).
+    """
+    if loss_type in SEQUENCE_MEAN_LOSS_TYPES:
+        return 1.0 / mask.float().sum(-1, keepdim=True).clamp(min=1.0)
+    return torch.ones(mask.shape[0], 1, dtype=torch.float32, device=mask.device)
 
 
 def log_sum_sq_probs(logits: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ def run(script, *args):
     return done.stdout
 
 
-@pytest.mark.parametrize("script", ["variance.py", "overhead.py", "learning.py"])
+@pytest.mark.parametrize("script", ["variance.py", "overhead.py", "learning.py", "synthetic_learning.py"])
 def test_help(script):
     assert "usage" in run(script, "--help")
 
@@ -79,3 +79,25 @@ def test_variance_noise_to_signal_ignores_the_whole_group_shrinkage():
     # the same signal up to the draws' noise; uncentred, E[b]·ḡ would shift each one differently
     for label in ("length LOO", "logit LOO (OBLR-PO default)", "exact LOO"):
         assert result[label][1] == pytest.approx(signal_rloo, rel=0.05)
+
+
+def test_synthetic_learning_smoke(tmp_path):
+    out = run("synthetic_learning.py", "--validation_seeds", "2", "--test_seeds", "3", "--steps", "30", "--lrs", "0.03",
+              "0.1", "--methods", "oblrpo", "grpo", "oblrpo-absolute", "--output_dir", str(tmp_path))
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    methods = summary["methods"]
+    assert {"oblrpo", "grpo", "oblrpo-absolute", "oblrpo-constant-control"} <= set(methods)
+    for entry in methods.values():
+        assert {"best_lr", "auc_mean", "auc_ci", "final_acc_mean", "final_acc_ci", "mean_lr_factor", "seeds"} <= set(entry)
+        assert entry["auc_ci"][0] <= entry["auc_mean"] <= entry["auc_ci"][1] and entry["seeds"] == 3
+    assert methods["grpo"]["mean_lr_factor"] == 1.0 and methods["oblrpo-absolute"]["mean_lr_factor"] < 1.0
+    assert (tmp_path / "summary.png").exists() and "AUC − grpo" in out
+
+
+def test_set_reads_numbers_in_any_notation():
+    sys.path.insert(0, str(BENCHMARKS))
+    from common import parse_overrides
+
+    parsed = parse_overrides(["learning_rate=3e-4", "max_steps=4", "use_cpu=false", "report_to=none", "beta=1.5e-2"])
+    assert parsed == {"learning_rate": 3e-4, "max_steps": 4, "use_cpu": False, "report_to": "none", "beta": 0.015}
+    assert isinstance(parsed["learning_rate"], float)

@@ -402,3 +402,20 @@ def test_a_layer_the_ghost_norms_do_not_know_falls_back_to_exact_per_row_norms(m
     used = trainer._per_sample_grad_sq_norms(output, output["completion_mask"].float())
     reference = reference_weights(trainer.model, output, "exact", trainer.temperature)
     assert torch.allclose(used, reference, rtol=1e-4)
+
+
+@pytest.mark.parametrize(("loss_type", "expected"), [("dapo", [3.0, 2.0]), ("grpo", [1 / 3, 1 / 2]), ("sapo", [1 / 3, 1 / 2])])
+def test_weights_take_the_loss_types_per_completion_gain(make_trainer, loss_type, expected):
+    """Under a per-completion token mean each token's gradient is divided by L_i, so a token-sum weight by L_i²:
+    `length` becomes L_i/L_i² = 1/L_i (the length trend reverses); the exact weights take the same gain."""
+    output = {
+        "prompt_ids": torch.tensor([[3, 4], [3, 4]]),
+        "prompt_mask": torch.ones(2, 2, dtype=torch.long),
+        "completion_ids": torch.tensor([[5, 6, 7], [8, 9, 0]]),
+        "completion_mask": torch.tensor([[1, 1, 1], [1, 1, 0]]),
+    }
+    trainer = make_trainer(baseline_weights="length", loss_type=loss_type)
+    assert trainer._completion_weights(output, None, "train").tolist() == pytest.approx(expected)
+    exact = make_trainer(baseline_weights="exact", loss_type=loss_type)
+    scale = output["completion_mask"].float() * (torch.tensor([[1 / 3], [1 / 2]]) if loss_type != "dapo" else 1.0)
+    assert torch.allclose(exact._completion_weights(output, None, "train"), exact._per_sample_grad_sq_norms(output, scale))

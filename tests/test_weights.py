@@ -120,3 +120,51 @@ def test_weights_from_generation_logits_match_a_forward_pass(make_trainer):
     assert len(BothSources.pairs) == 2
     for from_generation, from_forward in BothSources.pairs:
         assert torch.allclose(from_generation, from_forward, rtol=1e-4, atol=1e-6)
+
+
+class LossGradientRecorder:
+    """Mixin recording ∂loss/∂(per-token log-probs), the per-token factors of the real TRL loss (per_sample SNR path)."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        self._inputs_of_loss = inputs
+        try:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        finally:
+            self._inputs_of_loss = None
+
+    def _per_sample_grad_sq_norms(self, batch, token_scale):
+        if getattr(self, "_inputs_of_loss", None) is batch:
+            self.loss_token_grads.append((token_scale.detach().clone(), batch["advantages"].clone(),
+                                          batch["completion_mask"].clone()))
+        return super()._per_sample_grad_sq_norms(batch, token_scale)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "sapo", "bnpo", "dr_grpo", "dapo", "cispo"])
+def test_weights_follow_how_the_loss_scales_each_completion(make_trainer, loss_type):
+    """The weight is the squared norm of completion i's contribution to the loss gradient without A_i: the real loss's
+    per-token factors ∂loss/∂log p_it, divided by A_i, must be the gains the weights use (1/L_i for a per-completion
+    token mean, else a constant), up to one constant for the batch (SAPO's soft gate has one per sign of A_i)."""
+    from oblr_trl import OBLRPOTrainer
+    from oblr_trl.weights import loss_token_gains
+
+    class Recorder(LossGradientRecorder, OBLRPOTrainer):
+        loss_token_grads = []
+
+    Recorder.loss_token_grads = []
+    trainer = make_trainer(trainer_cls=Recorder, loss_type=loss_type, snr_estimator="per_sample", max_steps=1)
+    trainer.train()
+    assert Recorder.loss_token_grads
+    for grads, advantages, mask in Recorder.loss_token_grads:
+        gains = loss_token_gains(mask, loss_type)
+        rows = advantages.abs() > 1e-6
+        per_token = grads / (advantages[:, None] * gains)  # one constant per row if the gains are right
+        values = per_token[rows][mask[rows].bool()]
+        for sign in (advantages[rows] > 0).unique():
+            same_sign = (advantages[rows] > 0) == sign
+            constants = per_token[rows][same_sign][mask[rows][same_sign].bool()]
+            assert torch.allclose(constants, constants[0].expand_as(constants), rtol=1e-4), (loss_type, constants)
+        if loss_type != "sapo":
+            assert torch.allclose(values, values[0].expand_as(values), rtol=1e-4), (loss_type, values)
+    lengths = mask.sum(-1)
+    if loss_type in ("grpo", "sapo") and lengths.unique().numel() > 1:  # the test can see a wrong gain
+        assert not torch.allclose(gains, torch.ones_like(gains))
