@@ -5,17 +5,45 @@ baseline that minimises the trace of the covariance of the REINFORCE estimator (
 
     b*(q) = E[w r] / E[w].
 
+Estimated from a group, leave-one-out (so that the baseline of completion i does not depend on o_i and the estimator
+stays unbiased), any baseline b_i pays for its own error: for b_i independent of o_i,
+
+    E[w_i (r_i − b_i)²] = E[w (r − b*)²] + E[w]·E[(b_i − b*)²],
+
+so leave-one-out baselines rank by their mean squared error to b*. The plain weighted mean of the G − 1 others
+(`"weighted"`, the paper's) is the natural estimate but a noisy one when weights spread widely (an effective sample of
+~3 of 7 completions for a 55× spread). Two lower-variance estimates of the same b* are offered:
+
+* `"shrunk"`: λ·(weighted mean) + (1 − λ)·(uniform mean) of the others;
+* `"pooled_slope"`: b* = p + Cov(w, r)/E[w], and for a reward in [0, 1] the shift Cov(w, r)/E[w] is close to ρ·v with
+  v = Var(r) the reward spread of the prompt and ρ a property of the policy shared across prompts (how much heavier
+  the gradients of right answers are than wrong ones). So b_i = p̂₋ᵢ + ρ̂·v̂₋ᵢ, with p̂₋ᵢ, v̂₋ᵢ the mean and variance of
+  the other completions' rewards and ρ̂ fitted on *earlier* batches ([`PooledSlope`]): still independent of o_i, and
+  ρ̂ = 0 is RLOO.
+
 The functions here are pure tensor code: they take rewards and weights shaped ``(num_groups, G)`` and know nothing about
 trainers, models or processes.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["BaselineResult", "gradient_weighted_baseline", "gradient_weighted_loo_baseline", "group_weighted_baseline"]
+__all__ = [
+    "BASELINE_ESTIMATORS",
+    "BaselineResult",
+    "PooledSlope",
+    "gradient_weighted_baseline",
+    "gradient_weighted_loo_baseline",
+    "group_weighted_baseline",
+    "pooled_slope_baseline",
+    "shrunk_baseline",
+]
+
+BASELINE_ESTIMATORS = ("weighted", "shrunk", "pooled_slope")
 
 
 @dataclass(frozen=True)
@@ -84,8 +112,7 @@ def gradient_weighted_loo_baseline(rewards: torch.Tensor, weights: torch.Tensor)
         has one.
     """
     _check_shapes(rewards, weights)
-    others = ~torch.eye(rewards.shape[-1], dtype=torch.bool, device=rewards.device)
-    return _baseline_over(rewards, weights, others & torch.isfinite(rewards).unsqueeze(-2))
+    return _baseline_over(rewards, weights, _included(rewards, leave_one_out=True))
 
 
 def group_weighted_baseline(rewards: torch.Tensor, weights: torch.Tensor) -> BaselineResult:
@@ -96,9 +123,16 @@ def group_weighted_baseline(rewards: torch.Tensor, weights: torch.Tensor) -> Bas
     zero or not finite. Arguments and return value as in [`gradient_weighted_loo_baseline`].
     """
     _check_shapes(rewards, weights)
+    return _baseline_over(rewards, weights, _included(rewards, leave_one_out=False))
+
+
+def _included(rewards: torch.Tensor, leave_one_out: bool) -> torch.Tensor:
+    """``(n, G, G)``: which rewards enter the baseline of each completion (scored ones, without i itself for LOO)."""
     group_size = rewards.shape[-1]
     include = torch.isfinite(rewards).unsqueeze(-2).expand(*rewards.shape[:-1], group_size, group_size)
-    return _baseline_over(rewards, weights, include)
+    if leave_one_out:
+        include = include & ~torch.eye(group_size, dtype=torch.bool, device=rewards.device)
+    return include
 
 
 def gradient_weighted_baseline(rewards: torch.Tensor, weights: torch.Tensor, leave_one_out: bool = True) -> BaselineResult:
@@ -106,6 +140,97 @@ def gradient_weighted_baseline(rewards: torch.Tensor, weights: torch.Tensor, lea
     if leave_one_out:
         return gradient_weighted_loo_baseline(rewards, weights)
     return group_weighted_baseline(rewards, weights)
+
+
+def shrunk_baseline(
+    rewards: torch.Tensor, weights: torch.Tensor, shrinkage: float, leave_one_out: bool = True
+) -> BaselineResult:
+    """b_i = λ·Σ_{j∈S_i} w_j r_j / Σ_{j∈S_i} w_j + (1 − λ)·mean_{j∈S_i} r_j (module docstring, `"shrunk"`).
+
+    S_i is the other completions of the group (leave-one-out, unbiased) or the whole group. λ = 1 is the weighted
+    baseline, λ = 0 the uniform one (RLOO). Trades a little bias towards the uniform mean for much less noise when the
+    weights spread widely. Falls back as [`gradient_weighted_loo_baseline`] does (``fallback`` marks it).
+    """
+    _check_shapes(rewards, weights)
+    if not 0.0 <= shrinkage <= 1.0:
+        raise ValueError(f"shrinkage must be in [0, 1]; got {shrinkage}.")
+    include = _included(rewards, leave_one_out)
+    weighted = _baseline_over(rewards, weights, include)
+    uniform = _baseline_over(rewards, torch.ones_like(rewards), include)
+    return BaselineResult(
+        baseline=shrinkage * weighted.baseline + (1.0 - shrinkage) * uniform.baseline,
+        fallback=weighted.fallback,
+        defined=weighted.defined,
+    )
+
+
+def _mean_and_variance_over(rewards: torch.Tensor, include: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and (population) variance of the included rewards of each completion, ``(n, G)`` each; NaN if none."""
+    r = rewards.unsqueeze(-2).expand_as(include)
+    zero = torch.zeros((), dtype=rewards.dtype, device=rewards.device)
+    # through `_baseline_over` so that identical rewards give their value exactly, and a variance of exactly 0
+    mean = _baseline_over(rewards, torch.ones_like(rewards), include).baseline
+    variance = torch.where(include, (r - mean.unsqueeze(-1)) ** 2, zero).sum(-1) / include.sum(-1)
+    return mean, variance
+
+
+def pooled_slope_baseline(rewards: torch.Tensor, slope: float, leave_one_out: bool = True) -> BaselineResult:
+    """b_i = p̂_i + ρ·v̂_i with p̂_i, v̂_i the mean and variance of the other (or all) rewards of the group (module
+    docstring, `"pooled_slope"`). ``slope`` ρ must not depend on this batch (fit it on earlier ones) for the
+    leave-one-out estimator to stay unbiased. ρ = 0 is RLOO. Uses no weights, so it never falls back."""
+    if rewards.dim() != 2 or rewards.shape[-1] < 2:
+        raise ValueError(f"rewards must be (num_groups, G) with G >= 2; got {tuple(rewards.shape)}.")
+    include = _included(rewards, leave_one_out)
+    mean, variance = _mean_and_variance_over(rewards, include)
+    defined = (include.sum(-1) > 0) & torch.isfinite(rewards)
+    baseline = torch.where(defined, mean + slope * variance, torch.full_like(mean, float("nan")))
+    return BaselineResult(baseline=baseline, fallback=torch.zeros_like(defined), defined=defined)
+
+
+class PooledSlope:
+    """ρ̂ of the `"pooled_slope"` baseline: a weighted least-squares slope fitted across groups and batches.
+
+    For every scored completion, e_i = r_i − p̂_i is regressed on v̂_i with weight w_i (the baseline minimising
+    E[w (r − b)²] among b = p̂ + ρ v̂): ρ̂ = Σ w e v̂ / Σ w v̂². Numerator and denominator are moving averages over
+    batches (decay β; their ratio needs no bias correction), and a batch updates ρ̂ only after its own baselines are
+    computed.
+    """
+
+    def __init__(self, decay: float = 0.9):
+        if not 0.0 <= decay < 1.0:
+            raise ValueError(f"decay must be in [0, 1); got {decay}.")
+        self.decay = decay
+        self.numerator = self.denominator = 0.0
+        self.count = 0
+
+    @property
+    def value(self) -> float:
+        """ρ̂ (0, RLOO, before any batch with reward spread)."""
+        return self.numerator / self.denominator if self.denominator > 0 else 0.0
+
+    def update(self, rewards: torch.Tensor, weights: torch.Tensor, leave_one_out: bool = True) -> None:
+        """Fold one batch, rewards and weights ``(num_groups, G)``, into the fit."""
+        _check_shapes(rewards, weights)
+        mean, variance = _mean_and_variance_over(rewards, _included(rewards, leave_one_out))
+        w = weights.to(rewards.dtype)
+        usable = torch.isfinite(rewards) & torch.isfinite(mean) & torch.isfinite(w) & (w >= 0)
+        zero = torch.zeros((), dtype=rewards.dtype, device=rewards.device)
+        numerator = torch.where(usable, w * (rewards - mean) * variance, zero).sum().item()
+        denominator = torch.where(usable, w * variance**2, zero).sum().item()
+        if denominator <= 0 or not (math.isfinite(numerator) and math.isfinite(denominator)):
+            return  # no reward spread in this batch: nothing to learn about ρ
+        # normalised per batch so that the weights' scale (which drifts in training) does not weigh batches unevenly
+        scale = torch.where(usable, w, zero).sum().item()
+        self.count += 1
+        self.numerator = self.decay * self.numerator + (1 - self.decay) * numerator / scale
+        self.denominator = self.decay * self.denominator + (1 - self.decay) * denominator / scale
+
+    def state_dict(self) -> dict[str, float | int]:
+        return {"decay": self.decay, "numerator": self.numerator, "denominator": self.denominator, "count": self.count}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.decay, self.count = float(state["decay"]), int(state["count"])
+        self.numerator, self.denominator = float(state["numerator"]), float(state["denominator"])
 
 
 def _check_shapes(rewards: torch.Tensor, weights: torch.Tensor) -> None:

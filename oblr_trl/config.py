@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
+from .baselines import BASELINE_ESTIMATORS
+
 __all__ = ["OBLRPOConfig"]
 
 BASELINE_WEIGHTS = ("logit", "length", "exact", "uniform")
@@ -49,6 +51,17 @@ class OBLRPOConfig(GRPOConfig):
             The weight is that of completion i's actual contribution to the loss gradient: under a per-completion
             token mean (`loss_type` `"grpo"`, `"sapo"`) each token's term is divided by the completion's length L_i,
             so `logit` and `length` weights are divided by L_i² and `exact` ones measure Σ_t log p_t / L_i.
+        baseline_estimator (`str`, *optional*, defaults to `"weighted"`):
+            How b* = E[w r]/E[w] is estimated from the group (leave-one-out keeps every one of them unbiased):
+
+            - `"weighted"`: Σ_{j≠i} w_j r_j / Σ_{j≠i} w_j, the paper's estimator.
+            - `"shrunk"`: λ·(the weighted mean) + (1 − λ)·(the uniform mean) of the others, λ = `baseline_shrinkage`;
+              less noise when the weights spread widely.
+            - `"pooled_slope"`: p̂₋ᵢ + ρ̂·v̂₋ᵢ, the mean and variance of the other rewards and a slope ρ̂ fitted on earlier
+              batches (weighted least squares, moving average; saved in checkpoints; logged as
+              `oblr/baseline_slope`). ρ̂ = 0 is RLOO.
+        baseline_shrinkage (`float`, *optional*, defaults to `0.5`):
+            λ of `"shrunk"`, in [0, 1]: 1 is `"weighted"`, 0 the uniform mean (RLOO).
         leave_one_out (`bool`, *optional*, defaults to `True`):
             Leave completion i out of its own baseline, b_i = Σ_{j≠i} w_j r_j / Σ_{j≠i} w_j, which keeps the gradient
             estimator unbiased. With `False`, one baseline per group, Σ_j w_j r_j / Σ_j w_j (verl's OPO/OTB form).
@@ -148,6 +161,19 @@ class OBLRPOConfig(GRPOConfig):
             "'uniform' (1, i.e. RLOO's baseline).",
             "choices": list(BASELINE_WEIGHTS),
         },
+    )
+    baseline_estimator: str = field(
+        default="weighted",
+        metadata={
+            "help": "Estimate of b* = E[w r]/E[w] from the group: 'weighted' (Σ w r / Σ w over the others, the "
+            "paper's), 'shrunk' (baseline_shrinkage·weighted + (1 − baseline_shrinkage)·uniform mean) or "
+            "'pooled_slope' (mean + ρ̂·variance of the others' rewards, ρ̂ fitted on earlier batches).",
+            "choices": list(BASELINE_ESTIMATORS),
+        },
+    )
+    baseline_shrinkage: float = field(
+        default=0.5,
+        metadata={"help": "λ of baseline_estimator='shrunk', in [0, 1]: 1 is 'weighted', 0 the uniform mean (RLOO)."},
     )
     leave_one_out: bool = field(
         default=True,
@@ -261,6 +287,9 @@ class OBLRPOConfig(GRPOConfig):
         _one_of("multi_objective_aggregation", self.multi_objective_aggregation, MULTI_OBJECTIVE_AGGREGATIONS)
         _one_of("baseline_weights", self.baseline_weights, BASELINE_WEIGHTS)
         _one_of("snr_estimator", self.snr_estimator, SNR_ESTIMATORS)
+        _one_of("baseline_estimator", self.baseline_estimator, BASELINE_ESTIMATORS)
+        if not 0.0 <= self.baseline_shrinkage <= 1.0:
+            raise _invalid("baseline_shrinkage", self.baseline_shrinkage, "a float in [0, 1]")
         if not 0.0 <= self.snr_ema_decay < 1.0:
             raise _invalid("snr_ema_decay", self.snr_ema_decay, "a float in [0, 1)")
         if isinstance(self.snr_warmup_steps, bool) or not isinstance(self.snr_warmup_steps, int) or self.snr_warmup_steps < 0:

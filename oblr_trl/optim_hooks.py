@@ -15,6 +15,7 @@ Two small pieces, each the single place that touches a training backend:
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable, Iterable
 
 import torch
@@ -135,13 +136,14 @@ class OptimizerStepGate:
         self._original_step = self.optimizer.step
         self.allowed, self.on_skip = allowed, on_skip
 
-        def gated_step(*args, **kwargs):
+        def gated_step(optimizer, *args, **kwargs):
             if self.allowed():
                 return self._original_step(*args, **kwargs)
             self.on_skip()
             return None
 
-        self.optimizer.step = gated_step
+        # a bound method, like the step it replaces: torch's LR schedulers wrap `step.__func__`
+        self.optimizer.step = types.MethodType(gated_step, self.optimizer)
 
     def remove(self) -> None:
         self.optimizer.step = self._original_step

@@ -29,6 +29,7 @@ from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import add_fused_lm_head, get_callable_name, get_config_model_id
 
 from .advantages import aggregate_rewards, gradient_weighted_advantages
+from .baselines import PooledSlope
 from .config import OBLRPOConfig
 from .optim_hooks import MicroBatchGradSqNorms, OptimizerStepGate, StepLearningRateScale, innermost_optimizer
 from .generation_hooks import GenerationLogitStats
@@ -48,6 +49,7 @@ from .weights import length_weights, logit_proxy_weights, loss_token_gains, unif
 __all__ = ["OBLRPOTrainer"]
 
 STATE_FILE = "oblr_state.json"
+POOLED_SLOPE_DECAY = 0.9  # moving-average decay of the pooled slope's fit, over generation batches
 SKETCH_FILE = "oblr_gradient_sketch.pt"  # the last step's gradient sketch, for the cross-step SNR estimator
 
 # Keys of TRL's generation output that `_get_per_token_logps_and_entropies` takes as keyword arguments.
@@ -169,6 +171,9 @@ class OBLRPOTrainer(GRPOTrainer):
         self._warned_no_reuse = False
         self._warned_context = False
         self._ghost_norms_unsupported: str | None = None  # why ghost norms cannot run on this model, once known
+
+        # The `pooled_slope` baseline's ρ̂, fitted on the batches before the current one
+        self.pooled_slope = PooledSlope(POOLED_SLOPE_DECAY)
 
         # SNR-driven learning rate
         self.snr_controller = SNRLearningRateController(
@@ -514,8 +519,16 @@ class OBLRPOTrainer(GRPOTrainer):
             self._gathered_rewards_per_func, self.reward_weights, num_generations, self.multi_objective_aggregation
         )
         result = gradient_weighted_advantages(
-            rewards, weights, num_generations, self.args.leave_one_out, self.scale_rewards
+            rewards, weights, num_generations, self.args.leave_one_out, self.scale_rewards,
+            estimator=self.args.baseline_estimator, shrinkage=self.args.baseline_shrinkage,
+            slope=self.pooled_slope.value,
         )
+        if self.args.baseline_estimator == "pooled_slope":
+            self._metrics[mode]["oblr/baseline_slope"].append(self.pooled_slope.value)
+            if mode == "train":  # after this batch's baselines: the slope a baseline uses never saw its group
+                self.pooled_slope.update(
+                    rewards.view(-1, num_generations), weights.view(-1, num_generations), self.args.leave_one_out
+                )
         local = output["completion_ids"].size(0)
         process_slice = slice(self.accelerator.process_index * local, (self.accelerator.process_index + 1) * local)
         output["advantages"] = result.advantages[process_slice].to(output["advantages"])
@@ -779,30 +792,37 @@ class OBLRPOTrainer(GRPOTrainer):
 
     def _save_checkpoint(self, model, trial):
         super()._save_checkpoint(model, trial)
-        if self.args.should_save and self._micro_batch_norms is not None:
-            folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-            state = {
+        if not self.args.should_save:
+            return
+        folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        state: dict[str, Any] = {"pooled_slope": self.pooled_slope.state_dict()}
+        if self._micro_batch_norms is not None:
+            state |= {
                 "snr_controller": self.snr_controller.state_dict(),
                 "next_lr_factor": self._next_lr_factor,
                 "generation_count": self._generation_count,
             }
-            (folder / STATE_FILE).write_text(json.dumps(state, indent=2))
             if self._previous_step is not None:
                 sketch, generations = self._previous_step
                 torch.save({"sketch": sketch.cpu(), "generations": sorted(generations)}, folder / SKETCH_FILE)
+        (folder / STATE_FILE).write_text(json.dumps(state, indent=2))
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
-        if checkpoint is None or self._micro_batch_norms is None:
+        if checkpoint is None:
             return
         path = os.path.join(checkpoint, STATE_FILE)
         if not os.path.exists(path):
             warnings.warn(
-                f"{checkpoint} has no {STATE_FILE} (saved by an older version or without use_snr_lr): the SNR "
-                "averages restart from scratch, with a new warm-up."
+                f"{checkpoint} has no {STATE_FILE} (saved by an older version): the SNR averages and the baseline's "
+                "pooled slope restart from scratch, with a new warm-up."
             )
             return
         state = json.loads(Path(path).read_text())
+        if "pooled_slope" in state:
+            self.pooled_slope.load_state_dict(state["pooled_slope"])
+        if self._micro_batch_norms is None or "snr_controller" not in state:
+            return
         self.snr_controller.load_state_dict(state["snr_controller"])
         self._next_lr_factor = float(state["next_lr_factor"])
         self._generation_count = int(state.get("generation_count", 0))

@@ -159,3 +159,84 @@ def test_aggregate_normalize_then_sum_standardises_each_function_per_group():
     assert torch.allclose(rewards[:2], torch.tensor([-z - 10 / (10 * std + 1e-4), z + 10 / (10 * std + 1e-4)]))
     with pytest.raises(ValueError, match="aggregation"):
         aggregate_rewards(per_func, torch.ones(2), 2, "mean")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The lower-variance estimates of b*: shrunk and pooled slope
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def naive_mean_and_variance(values):
+    mean = sum(values) / len(values)
+    return mean, sum((v - mean) ** 2 for v in values) / len(values)
+
+
+@pytest.mark.parametrize("leave_one_out", [True, False])
+def test_shrunk_and_pooled_slope_baselines_equal_a_naive_loop(leave_one_out):
+    from oblr_trl.baselines import pooled_slope_baseline, shrunk_baseline
+
+    rewards = [[1.0, 0.0, 1.0, 0.0, 1.0], [0.5, NAN, 0.0, 1.0, 1.0]]
+    weights = [[1.0, 2.0, 3.0, 4.0, 5.0], [2.0, 1.0, 7.0, 0.5, 1.0]]
+    shrunk = shrunk_baseline(torch.tensor(rewards), torch.tensor(weights), 0.25, leave_one_out).baseline
+    pooled = pooled_slope_baseline(torch.tensor(rewards), 0.7, leave_one_out).baseline
+    for n, (group_r, group_w) in enumerate(zip(rewards, weights)):
+        for i in range(len(group_r)):
+            if math.isnan(group_r[i]):
+                assert math.isnan(shrunk[n, i]) and math.isnan(pooled[n, i])
+                continue
+            others = [j for j in range(len(group_r)) if (j != i or not leave_one_out) and math.isfinite(group_r[j])]
+            weighted = sum(group_w[j] * group_r[j] for j in others) / sum(group_w[j] for j in others)
+            mean, variance = naive_mean_and_variance([group_r[j] for j in others])
+            assert shrunk[n, i].item() == pytest.approx(0.25 * weighted + 0.75 * mean, rel=1e-6)
+            assert pooled[n, i].item() == pytest.approx(mean + 0.7 * variance, rel=1e-6)
+
+
+def test_pooled_slope_of_zero_is_rloo_and_shrinkage_spans_rloo_to_weighted():
+    from oblr_trl.baselines import pooled_slope_baseline, shrunk_baseline
+
+    generator = torch.Generator().manual_seed(0)
+    rewards = torch.randint(0, 2, (6, 8), generator=generator).double()
+    weights = torch.rand(6, 8, generator=generator, dtype=torch.float64) * 50
+    rloo = gradient_weighted_loo_baseline(rewards, torch.ones_like(rewards)).baseline
+    weighted = gradient_weighted_loo_baseline(rewards, weights).baseline
+    assert torch.allclose(pooled_slope_baseline(rewards, 0.0).baseline, rloo)
+    assert torch.allclose(shrunk_baseline(rewards, weights, 0.0).baseline, rloo)
+    assert torch.allclose(shrunk_baseline(rewards, weights, 1.0).baseline, weighted)
+    same = torch.full((1, 4), 0.3, dtype=torch.float64)  # no reward spread: advantages of exactly 0
+    assert torch.equal(pooled_slope_baseline(same, 5.0).baseline, same)
+
+
+def test_pooled_slope_is_the_weighted_least_squares_slope_and_round_trips():
+    """Weights heavier for right answers (w = 1 + r): b* lies above the mean, and the fitted ρ̂ is the slope that
+    minimises Σ w (r − p̂ − ρ v̂)² over the batch — smaller than for ρ = 0 (RLOO) or for half or twice ρ̂."""
+    from oblr_trl.baselines import PooledSlope, pooled_slope_baseline
+
+    generator = torch.Generator().manual_seed(1)
+    p = torch.rand(4000, 1, generator=generator, dtype=torch.float64) * 0.3 + 0.1
+    rewards = (torch.rand(4000, 8, generator=generator, dtype=torch.float64) < p).double()
+    weights = 1.0 + rewards
+    fit = PooledSlope(decay=0.0)
+    fit.update(rewards, weights)
+    assert fit.value > 0
+
+    def weighted_error(slope):
+        return (weights * (rewards - pooled_slope_baseline(rewards, slope).baseline) ** 2).sum().item()
+
+    best = weighted_error(fit.value)
+    assert best < weighted_error(0.0) and best < weighted_error(fit.value / 2) and best < weighted_error(2 * fit.value)
+    restored = PooledSlope(0.5)
+    restored.load_state_dict(fit.state_dict())
+    assert restored.value == fit.value
+    fit.update(torch.ones(3, 4, dtype=torch.float64), torch.ones(3, 4, dtype=torch.float64))  # no spread: no update
+    assert fit.value == restored.value
+
+
+@pytest.mark.parametrize("estimator", ["shrunk", "pooled_slope"])
+def test_advantages_dispatch_to_the_estimator(estimator):
+    rewards = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 1.0, 1.0], dtype=torch.float64)
+    weights = torch.tensor([1.0, 9.0, 2.0, 3.0, 1.0, 1.0, 5.0, 2.0], dtype=torch.float64)
+    default = gradient_weighted_advantages(rewards, weights, 4)
+    other = gradient_weighted_advantages(rewards, weights, 4, estimator=estimator, shrinkage=0.5, slope=0.8)
+    assert not torch.allclose(default.advantages, other.advantages)
+    with pytest.raises(ValueError, match="estimator"):
+        gradient_weighted_advantages(rewards, weights, 4, estimator="median")

@@ -21,6 +21,8 @@ def make(tmp_path, **kwargs):
         ("baseline_weights", "gradient", "'logit', 'length', 'exact', 'uniform'"),
         ("snr_estimator", "three_batch", "'cross_step', 'two_batch', 'per_sample'"),
         ("snr_lr_reference", "relative", "'calibrated', 'absolute'"),
+        ("baseline_estimator", "median", "'weighted', 'shrunk', 'pooled_slope'"),
+        ("baseline_shrinkage", 1.5, "[0, 1]"),
         ("snr_calibration_steps", 1, "None or an integer >= 2"),
         ("snr_lr_min_ratio", 0.0, "(0, 1]"),
         ("snr_lr_min_ratio", 1.5, "(0, 1]"),
@@ -99,6 +101,7 @@ def test_every_new_field_is_documented():
         "baseline_weights", "leave_one_out", "importance_weighted_baseline", "use_snr_lr", "snr_estimator",
         "snr_ema_decay", "snr_warmup_steps", "snr_lr_floor", "skip_nonfinite_steps", "save_on_preemption",
         "per_sample_batch_size", "snr_lr_reference", "snr_calibration_steps", "snr_lr_min_ratio", "snr_lr_max_ratio",
+        "baseline_estimator", "baseline_shrinkage",
     }
     for f in fields(OBLRPOConfig):
         if f.name in new or f.name == "scale_rewards":

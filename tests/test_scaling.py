@@ -280,3 +280,16 @@ def test_one_decision_and_one_log_per_step_when_the_optimizer_steps_once_per_par
     optimizer.step()
     assert trainer.skipped_nonfinite_steps == 1
     assert trainer._metrics["train"]["snr/lr_factor"] == [0.5]
+
+
+def test_checkpoints_carry_the_pooled_slope(make_trainer, tmp_path):
+    common = dict(max_steps=2, save_strategy="steps", save_steps=2, baseline_estimator="pooled_slope",
+                  output_dir=str(tmp_path / "run"), use_snr_lr=False)
+    trainer = make_trainer(**common)
+    trainer.train()
+    state = json.loads((tmp_path / "run" / "checkpoint-2" / "oblr_state.json").read_text())
+    assert state["pooled_slope"] == trainer.pooled_slope.state_dict() and trainer.pooled_slope.count >= 1
+    resumed = make_trainer(**{**common, "max_steps": 3})
+    resumed.create_optimizer_and_scheduler(num_training_steps=3)
+    resumed._load_optimizer_and_scheduler(str(tmp_path / "run" / "checkpoint-2"))
+    assert resumed.pooled_slope.value == trainer.pooled_slope.value

@@ -83,24 +83,34 @@ CASES = [
     {"baseline_weights": "length", "scale_rewards": "group"},
     {"baseline_weights": "exact"},
     {"baseline_weights": "uniform", "multi_objective_aggregation": "normalize_then_sum", "scale_rewards": "batch"},
+    {"baseline_weights": "logit", "baseline_estimator": "shrunk", "baseline_shrinkage": 0.3},
+    {"baseline_weights": "logit", "baseline_estimator": "pooled_slope"},
 ]
 
 
 @pytest.mark.parametrize("overrides", CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
 def test_advantages_equal_pure_functions_of_gathered_inputs(make_trainer, overrides):
+    from oblr_trl.baselines import PooledSlope
+
     trainer, rewards_per_func = run_capturing(make_trainer, max_steps=2, **overrides)
     assert len(trainer.captured) == 2
     compared = 0.0
+    slope = PooledSlope(0.9)  # the pooled slope a batch uses is fitted on the batches before it
     for (output, weights), per_func in zip(trainer.captured, rewards_per_func):
         rewards = aggregate_rewards(
             per_func, torch.tensor([1.0, 0.5]), 4, overrides.get("multi_objective_aggregation", "sum_then_normalize")
         )
         expected = gradient_weighted_advantages(
-            rewards, weights, 4, overrides.get("leave_one_out", True), overrides.get("scale_rewards", "none")
+            rewards, weights, 4, overrides.get("leave_one_out", True), overrides.get("scale_rewards", "none"),
+            estimator=overrides.get("baseline_estimator", "weighted"), shrinkage=overrides.get("baseline_shrinkage", 0.5),
+            slope=slope.value,
         )
+        slope.update(rewards.view(-1, 4), weights.view(-1, 4))
         assert torch.allclose(output["advantages"], expected.advantages, rtol=1e-4, atol=1e-6)
         compared += expected.advantages.abs().sum().item()
     assert compared > 0  # not a comparison of zeros
+    if overrides.get("baseline_estimator") == "pooled_slope":
+        assert trainer.pooled_slope.value == pytest.approx(slope.value) and slope.value != 0.0
 
 
 def test_each_weight_option_changes_advantages(make_trainer):
