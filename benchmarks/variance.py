@@ -39,23 +39,40 @@ from tqdm.auto import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, markdown_table, new_figure, save_figure, write_results  # noqa: E402
 
-from oblr_trl.baselines import gradient_weighted_baseline  # noqa: E402
+from oblr_trl.baselines import (  # noqa: E402
+    PooledSlope,
+    gradient_weighted_baseline,
+    pooled_slope_baseline,
+    shrunk_baseline,
+)
 from oblr_trl.weights import log_sum_sq_probs, logit_proxy_weights  # noqa: E402
 
-# (label, weight source, leave-one-out); the oracle (a fixed b* per prompt, from the whole pool) is added separately
-BASELINES = [
-    ("group mean (GRPO)", "uniform", False),
-    ("uniform LOO (RLOO)", "uniform", True),
-    ("length, whole group (OPO)", "length", False),
-    ("length LOO", "length", True),
-    ("logit, whole group", "logit", False),
-    ("logit LOO (OBLR-PO default)", "logit", True),
-    ("exact, whole group", "exact", False),
-    ("exact LOO", "exact", True),
-    ("exact full-model, whole group", "exact_full", False),
-    ("exact full-model LOO (OBLR-PO exact)", "exact_full", True),
-]
-ORACLE = "oracle b* (fixed per prompt)"
+# name → (label, weight source, kind): "loo"/"group" weighted means, "shrunk" (λ = SHRINKAGE, leave-one-out),
+# "pooled" (leave-one-out mean + ρ̂·variance, ρ̂ fitted on the other prompts' groups with these weights)
+BASELINES = {
+    "grpo": ("group mean (GRPO)", "uniform", "group"),
+    "rloo": ("uniform LOO (RLOO)", "uniform", "loo"),
+    "opo": ("length, whole group (OPO)", "length", "group"),
+    "length_loo": ("length LOO", "length", "loo"),
+    "logit_group": ("logit, whole group", "logit", "group"),
+    "weighted": ("logit LOO, weighted (the paper's estimator)", "logit", "loo"),
+    "shrunk": ("logit LOO, shrunk λ=0.5", "logit", "shrunk"),
+    "pooled_slope": ("pooled slope LOO, logit weights", "logit", "pooled"),
+    "exact_subset_group": ("exact, whole group", "exact", "group"),
+    "exact_subset_loo": ("exact LOO", "exact", "loo"),
+    "exact_group": ("exact full-model, whole group", "exact_full", "group"),
+    "exact_weighted": ("exact full-model LOO (baseline_weights='exact')", "exact_full", "loo"),
+    "exact_shrunk": ("exact full-model LOO, shrunk λ=0.5", "exact_full", "shrunk"),
+    "exact_pooled_slope": ("pooled slope LOO, exact full-model weights", "exact_full", "pooled"),
+}
+SHRINKAGE = 0.5
+# references that know what a group cannot: fixed per prompt from the whole pool (exact subset weights)
+ORACLES = {
+    "oracle_b_star": "oracle b* (fixed per prompt)",
+    "oracle_mean": "oracle E[r|q] (uniform weights, exact mean)",
+    "rloo_exact_shift": "RLOO + exact (b* − p) shift",
+}
+DEFAULT_ESTIMATOR = "weighted"  # OBLRPOConfig's baseline_estimator with its default logit weights
 
 
 def parse_args(argv=None):
@@ -73,6 +90,9 @@ def parse_args(argv=None):
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--layers", type=int, default=4, help="g_i over the last LAYERS decoder blocks + final norm")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--bootstrap", type=int, default=200,
+                        help="replicates of the two-level bootstrap (prompts, then completions in each pool)")
+    parser.add_argument("--bootstrap_draws", type=int, default=2000, help="groups drawn per prompt in a replicate")
     parser.add_argument("--output_dir", default=str(RESULTS / "variance"))
     return parser.parse_args(argv)
 
@@ -148,14 +168,15 @@ def full_model_norms(model, prompt_ids, completions, temperature, chunk=8):
             p.requires_grad_(False)
 
 
-def group_variances(gram, rewards, weights, group_size, draws, generator):
+def group_variances(gram, rewards, weights, group_size, draws, generator, slopes):
     """(tr Cov ĝ, ‖E ĝ‖²) of the group estimator for each baseline, groups drawn with replacement from the pool
     (Gram trick). ‖E ĝ‖² is the squared norm of the mean over the draws less its own sampling noise, tr Cov / draws.
 
     The pool stands in for the policy's distribution, so its gradients are centred first (g_i − ḡ, on the Gram
     matrix): the score identity E[∇ log π] = 0 holds for the policy, and the pool's mean gradient ḡ is sampling noise.
     Left in, it would add −E[b]·ḡ to every estimator's mean, so that unbiased baselines had different expectations.
-    The weights stay the uncentred ‖g_i‖², what training uses."""
+    The weights stay the uncentred ‖g_i‖², what training uses. ``slopes``: ρ̂ of the pooled baselines, by weight
+    source, fitted without this prompt."""
     pool = len(rewards)
     gram = gram - gram.mean(0, keepdim=True) - gram.mean(1, keepdim=True) + gram.mean()
     index = torch.randint(0, pool, (draws, group_size), generator=generator)
@@ -171,12 +192,39 @@ def group_variances(gram, rewards, weights, group_size, draws, generator):
         return trace, mean_sq_norm - trace / draws
 
     result = {}
-    for label, source, loo in BASELINES:
+    for name, (_, source, kind) in BASELINES.items():
         w = torch.ones_like(r) if source == "uniform" else weights[source][index]
-        result[label] = trace_cov(gradient_weighted_baseline(r, w, leave_one_out=loo).baseline)
+        if kind == "shrunk":
+            baseline = shrunk_baseline(r, w, SHRINKAGE).baseline
+        elif kind == "pooled":
+            baseline = pooled_slope_baseline(r, slopes[source]).baseline
+        else:
+            baseline = gradient_weighted_baseline(r, w, leave_one_out=kind == "loo").baseline
+        result[name] = trace_cov(baseline)
     exact = weights["exact"]
-    result[ORACLE] = trace_cov((exact * rewards).sum() / exact.sum() if exact.sum() > 0 else rewards.mean())
+    b_star = (exact * rewards).sum() / exact.sum() if exact.sum() > 0 else rewards.mean()
+    rloo = gradient_weighted_baseline(r, torch.ones_like(r)).baseline
+    result["oracle_b_star"] = trace_cov(b_star)
+    result["oracle_mean"] = trace_cov(rewards.mean())
+    result["rloo_exact_shift"] = trace_cov(rloo + (b_star - rewards.mean()))
     return result
+
+
+def fit_slopes(pools, skip, group_size, draws, generator):
+    """ρ̂ per weight source from groups drawn from every pool but ``skip`` (what earlier batches give in training)."""
+    slopes = {}
+    for source in {source for _, source, kind in BASELINES.values() if kind == "pooled"}:
+        fit = PooledSlope(decay=0.0)
+        rewards, weights = [], []
+        for k, pool in enumerate(pools):
+            if k == skip:
+                continue
+            index = torch.randint(0, len(pool["rewards"]), (draws, group_size), generator=generator)
+            rewards.append(pool["rewards"][index])
+            weights.append(pool["weights"][source][index])
+        fit.update(torch.cat(rewards), torch.cat(weights))
+        slopes[source] = fit.value
+    return slopes
 
 
 def spearman(a, b):
@@ -192,6 +240,38 @@ def pearson(a, b):
     return torch.corrcoef(torch.stack([a, b]))[0, 1].item()
 
 
+def noise_to_signal(per_prompt, prompts=None):
+    """Σ tr Cov / Σ ‖E ĝ‖² over (a resample of) the prompts, per baseline."""
+    prompts = range(len(per_prompt)) if prompts is None else prompts
+    names = per_prompt[0].keys()
+    return {
+        name: (sum(per_prompt[k][name][0] for k in prompts) / signal if (signal := sum(per_prompt[k][name][1] for k in
+                                                                                        prompts)) > 0 else float("nan"))
+        for name in names
+    }
+
+
+def bootstrap_ratios(pools, slopes, args, generator):
+    """95 % intervals of each baseline's noise ÷ signal ÷ RLOO's: prompts resampled, then each chosen pool's
+    completions resampled, then groups drawn from that (the slopes stay those fitted on the full pools)."""
+    replicates = {name: [] for name in [*BASELINES, *ORACLES]}
+    for _ in tqdm(range(args.bootstrap), desc="bootstrap", unit="replicate", leave=False):
+        per_prompt = []
+        for k in torch.randint(0, len(pools), (len(pools),), generator=generator).tolist():
+            pool = pools[k]
+            pick = torch.randint(0, len(pool["rewards"]), (len(pool["rewards"]),), generator=generator)
+            weights = {source: values[pick] for source, values in pool["weights"].items()}
+            per_prompt.append(group_variances(pool["gram"][pick][:, pick], pool["rewards"][pick], weights,
+                                              args.group_size, args.bootstrap_draws, generator, slopes[k]))
+        ratios = noise_to_signal(per_prompt)
+        for name in replicates:  # a resample without reward spread has no signal: left out of the interval
+            replicates[name].append(ratios[name] / ratios["rloo"] if ratios["rloo"] > 0 else float("nan"))
+    return {
+        name: [torch.tensor(v, dtype=torch.float64).nanquantile(q).item() for q in (0.025, 0.975)]
+        for name, v in replicates.items()
+    }
+
+
 def measure(model_path, args, label):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -205,9 +285,7 @@ def measure(model_path, args, label):
     params = trainable_subset(model, args.layers)
     dataset = load_task("arithmetic", "test", TaskOptions(limit=args.prompts, operators=args.task_operators, seed=args.seed))
     generator = torch.Generator().manual_seed(args.seed)
-    totals = {name: 0.0 for name, _, _ in BASELINES} | {ORACLE: 0.0}
-    signal = dict.fromkeys(totals, 0.0)
-    all_exact, all_full, all_logit, all_length, all_rewards = [], [], [], [], []
+    pools = []
     for i, row in enumerate(tqdm(dataset, desc=f"variance[{label}]", unit="prompt")):
         prompt_ids, completions = sample_pool(
             model, tokenizer, row["prompt"], args.pool, args.max_new_tokens, args.temperature, args.seed + i
@@ -219,30 +297,38 @@ def measure(model_path, args, label):
         del gradients
         full = full_model_norms(model, prompt_ids, completions, args.temperature)
         weights = {"exact": gram.diagonal().clone(), "exact_full": full, "logit": logit, "length": length}
-        for name, (trace, mean_sq_norm) in group_variances(gram, rewards, weights, args.group_size, args.draws,
-                                                           generator).items():
-            totals[name] += trace
-            signal[name] += mean_sq_norm
-        for bucket, values in ((all_exact, weights["exact"]), (all_full, full), (all_logit, logit), (all_length, length),
-                               (all_rewards, rewards)):
-            bucket.append(values)
-    exact, full, logit, length = torch.cat(all_exact), torch.cat(all_full), torch.cat(all_logit), torch.cat(all_length)
-    rewards = torch.cat(all_rewards)
-    reference, rloo = totals["group mean (GRPO)"], totals["uniform LOO (RLOO)"]
-    noise_to_signal = {name: totals[name] / signal[name] if signal[name] > 0 else float("nan") for name in totals}
-    nsr_rloo, nsr_best = noise_to_signal["uniform LOO (RLOO)"], noise_to_signal[ORACLE]
+        pools.append({"gram": gram, "rewards": rewards, "weights": weights})
+    slopes = [fit_slopes(pools, k, args.group_size, args.draws, generator) for k in range(len(pools))]
+    per_prompt = [
+        group_variances(pool["gram"], pool["rewards"], pool["weights"], args.group_size, args.draws, generator, slope)
+        for pool, slope in zip(pools, slopes, strict=True)
+    ]
+    intervals = bootstrap_ratios(pools, slopes, args, generator)
+    exact, full, logit, length = (
+        torch.cat([pool["weights"][key] for pool in pools]) for key in ("exact", "exact_full", "logit", "length")
+    )
+    rewards = torch.cat([pool["rewards"] for pool in pools])
+    totals = {name: sum(p[name][0] for p in per_prompt) for name in per_prompt[0]}
+    signal = {name: sum(p[name][1] for p in per_prompt) for name in per_prompt[0]}
+    ratios = noise_to_signal(per_prompt)
+    nsr_rloo, nsr_best, nsr_shift = ratios["rloo"], ratios["oracle_b_star"], ratios["rloo_exact_shift"]
+    labels = {name: label for name, (label, _, _) in BASELINES.items()} | ORACLES
     rows = []
     for name, value in totals.items():
         rows.append({
-            "baseline": name,
+            "name": name,
+            "baseline": labels[name],
             "trace_cov": value,
-            "ratio_to_group_mean": value / reference if reference else float("nan"),
-            "ratio_to_rloo": value / rloo if rloo else float("nan"),
+            "ratio_to_group_mean": value / totals["grpo"] if totals["grpo"] else float("nan"),
+            "ratio_to_rloo": value / totals["rloo"] if totals["rloo"] else float("nan"),
             "mean_sq_norm": signal[name],
-            "noise_to_signal": noise_to_signal[name],
-            "noise_to_signal_ratio_to_rloo": noise_to_signal[name] / nsr_rloo,
-            "share_of_oracle_reduction": ((nsr_rloo - noise_to_signal[name]) / (nsr_rloo - nsr_best)
+            "noise_to_signal": ratios[name],
+            "noise_to_signal_ratio_to_rloo": ratios[name] / nsr_rloo,
+            "noise_to_signal_ratio_to_rloo_ci": intervals[name],
+            "share_of_oracle_reduction": ((nsr_rloo - ratios[name]) / (nsr_rloo - nsr_best)
                                           if nsr_rloo != nsr_best else float("nan")),
+            "share_of_reachable": ((nsr_rloo - ratios[name]) / (nsr_rloo - nsr_shift)
+                                   if nsr_rloo != nsr_shift else float("nan")),
         })
     return {
         "point": label,
@@ -250,7 +336,8 @@ def measure(model_path, args, label):
         "parameters_measured": sum(p.numel() for p in params),
         "completions": len(exact),
         "mean_reward": rewards.mean().item(),
-        "mixed_groups": sum(1 for r in all_rewards if r.min() != r.max()),
+        "mixed_groups": sum(1 for pool in pools if pool["rewards"].min() != pool["rewards"].max()),
+        "pooled_slopes": slopes,
         "correlation_with_exact": {
             f"{proxy} vs {reference}": {"pearson": pearson(ref, values), "spearman": spearman(ref, values)}
             for reference, ref in (("exact (measured subset)", exact), ("exact (full model)", full))
@@ -267,10 +354,13 @@ def plot(points, scatter, output_dir):
     width = 0.8 / len(points)
     for k, point in enumerate(points):
         ratios = [row["noise_to_signal_ratio_to_rloo"] for row in point["baselines"]]
-        axes[0].barh([i + k * width for i in range(len(names))], ratios, height=width, label=point["point"])
+        errors = [[r - row["noise_to_signal_ratio_to_rloo_ci"][0] for r, row in zip(ratios, point["baselines"])],
+                  [row["noise_to_signal_ratio_to_rloo_ci"][1] - r for r, row in zip(ratios, point["baselines"])]]
+        axes[0].barh([i + k * width for i in range(len(names))], ratios, height=width, label=point["point"],
+                     xerr=[[max(e, 0.0) for e in side] for side in errors], capsize=2)
     axes[0].set_yticks([i + width * (len(points) - 1) / 2 for i in range(len(names))], names)
     axes[0].axvline(1.0, color="black", lw=0.8)
-    axes[0].set_xlabel("noise ÷ signal (tr Cov / ‖E ĝ‖²), ÷ that of RLOO (= group mean's)")
+    axes[0].set_xlabel("noise ÷ signal (tr Cov / ‖E ĝ‖²), ÷ that of RLOO (= group mean's); 95 % bootstrap intervals")
     axes[0].invert_yaxis()
     axes[0].legend()
     axes[0].set_title("estimator variance by baseline")
@@ -296,7 +386,8 @@ def main(argv=None):
 
         trained = output_dir / f"oblrpo-{args.train_steps}-steps"
         train(["--model_name_or_path", args.model, "--output_dir", str(trained), "--max_steps", str(args.train_steps),
-               "--save_strategy", "no", "--task_operators", args.task_operators, "--plot", "false"])
+               "--save_strategy", "no", "--task_operators", args.task_operators, "--plot", "false",
+               "--overwrite_output_dir", "true"])
         checkpoints.append((str(trained), f"after {args.train_steps} OBLR-PO steps"))
     points, scatter = [], None
     for path, label in checkpoints:
@@ -307,9 +398,13 @@ def main(argv=None):
     markdown = [
         f"# Estimator variance by baseline\n\n![variance]({figure.name})\n\n"
         "tr Cov: of the one-group estimator ĝ, summed over prompts. noise ÷ signal: Σ tr Cov / Σ ‖E ĝ‖², which a "
-        "common scale does not change (whole-group baselines shrink ĝ by ≈ (G−1)/G, see the script's docstring). "
-        "Share of b*'s reduction: (RLOO's noise ÷ signal − this one's) / (RLOO's − the oracle b*'s), the oracle being "
-        "the variance-optimal baseline E[w r]/E[w] with exact weights, fixed per prompt from the whole pool.\n"
+        "common scale does not change (whole-group baselines shrink ĝ by ≈ (G−1)/G, see the script's docstring); its "
+        "ratio to RLOO's with a 95 % two-level bootstrap interval (prompts, then completions within each pool). "
+        "References fixed per prompt from the whole pool: the oracle b* = E[w r]/E[w] (exact weights), the oracle "
+        "mean E[r|q], and RLOO shifted by the exact b* − p (the best a leave-one-out estimate of p can do once the "
+        "shift is known). Unreachable for any leave-one-out baseline: the gap between that shifted RLOO and b*; "
+        "reachable: the gap between RLOO and the shifted RLOO. Share of reachable: (RLOO's − this one's) / (RLOO's "
+        "− shifted RLOO's) noise ÷ signal. Pooled slope: ρ̂ fitted on the other prompts' groups.\n"
     ]
     for point in points:
         corr = point["correlation_with_exact"]
@@ -321,10 +416,11 @@ def main(argv=None):
             f"{point['mixed_groups']} of {args.prompts} prompts with mixed outcomes; exact ‖g‖² max/min "
             f"{point['weight_spread_max_min']:.3g}.\n\n"
             + markdown_table(
-                ["baseline", "tr Cov", "÷ group mean", "÷ RLOO", "noise ÷ signal", "÷ RLOO's",
-                 "share of b*'s reduction"],
-                [[r["baseline"], r["trace_cov"], r["ratio_to_group_mean"], r["ratio_to_rloo"], r["noise_to_signal"],
-                  r["noise_to_signal_ratio_to_rloo"], r["share_of_oracle_reduction"]] for r in point["baselines"]],
+                ["baseline", "tr Cov ÷ group mean", "noise ÷ signal", "÷ RLOO's", "95 % interval",
+                 "share of b*'s reduction", "share of reachable"],
+                [[r["baseline"], r["ratio_to_group_mean"], r["noise_to_signal"], r["noise_to_signal_ratio_to_rloo"],
+                  "[{:.3f}, {:.3f}]".format(*r["noise_to_signal_ratio_to_rloo_ci"]), r["share_of_oracle_reduction"],
+                  r["share_of_reachable"]] for r in point["baselines"]],
             )
             + "\n\n"
             + markdown_table(
@@ -332,8 +428,22 @@ def main(argv=None):
                 [[name, c["pearson"], c["spearman"]] for name, c in corr.items()],
             )
         )
-    json_path, md_path = write_results(output_dir, "variance", {"arguments": vars(args), "points": points},
-                                       "\n\n".join(markdown))
+    keys = ["base", "trained"][: len(points)] if len(points) <= 2 else [point["point"] for point in points]
+    estimators = {}
+    for row in points[0]["baselines"]:
+        name = row["name"]
+        per_point = [next(r for r in point["baselines"] if r["name"] == name) for point in points]
+        estimators[name] = {
+            "label": row["baseline"],
+            "noise_to_signal_vs_rloo": dict(zip(keys, [r["noise_to_signal_ratio_to_rloo"] for r in per_point])),
+            "noise_to_signal_vs_rloo_ci": dict(zip(keys, [r["noise_to_signal_ratio_to_rloo_ci"] for r in per_point])),
+            "share_of_reachable": dict(zip(keys, [r["share_of_reachable"] for r in per_point])),
+        }
+    json_path, md_path = write_results(
+        output_dir, "variance",
+        {"arguments": vars(args), "default_estimator": DEFAULT_ESTIMATOR, "estimators": estimators, "points": points},
+        "\n\n".join(markdown),
+    )
     print(md_path.read_text())
     return 0
 

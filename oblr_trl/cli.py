@@ -47,6 +47,11 @@ class TaskArguments:
     task_question_field: str | None = field(default=None, metadata={"help": "local: question column."})
     task_answer_field: str | None = field(default=None, metadata={"help": "local: gold-answer column."})
     plot: bool = field(default=True, metadata={"help": "Write training_curves.png into output_dir after training."})
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={"help": "Train into an output_dir that holds another run, removing its checkpoints and state "
+                  "(without it, such a folder is refused unless --resume_from_checkpoint continues that run)."},
+    )
 
     def options(self):
         return task_options(self)
@@ -74,7 +79,8 @@ def make_train_parser():
 
     from .config import OBLRPOConfig
 
-    return TrlParser((TaskArguments, OBLRPOConfig, ModelConfig), prog="oblr-trl train")
+    # no prefix matching: `--learning_rat` must not silently mean `--learning_rate` (a YAML typo is refused too)
+    return TrlParser((TaskArguments, OBLRPOConfig, ModelConfig), prog="oblr-trl train", allow_abbrev=False)
 
 
 def parse_train_args(argv: list[str]):
@@ -109,9 +115,36 @@ def _reject_unknown_fields(parser, config_path: Path) -> None:
         )
 
 
+def prepare_output_dir(output_dir: str, overwrite: bool, resuming: bool) -> None:
+    """Refuse to train into a folder that holds another run, unless told to overwrite it or to resume it.
+
+    Reusing one silently would rewrite the finished run's model card, rotate its checkpoints away and leave the highest
+    checkpoint number to an older run. With ``overwrite`` the old checkpoints and trainer state are removed first.
+    """
+    import shutil
+
+    folder = Path(output_dir)
+    previous = sorted(folder.glob("checkpoint-*")) if folder.is_dir() else []
+    state = folder / "trainer_state.json"
+    if not (previous or state.exists()) or resuming:
+        return
+    if not overwrite:
+        raise SystemExit(
+            f"oblr-trl train: {output_dir} holds another run ({len(previous)} checkpoint(s)"
+            f"{', trainer_state.json' if state.exists() else ''}). Allowed: a new --output_dir, "
+            "--resume_from_checkpoint CHECKPOINT to continue that run, or --overwrite_output_dir true to replace it."
+        )
+    for checkpoint in previous:
+        shutil.rmtree(checkpoint)
+    state.unlink(missing_ok=True)
+
+
 def train(argv: list[str]) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     task_args, training_args, model_args, recipe = parse_train_args(argv)
+    if training_args.process_index == 0:
+        prepare_output_dir(training_args.output_dir, task_args.overwrite_output_dir,
+                           training_args.resume_from_checkpoint is not None)
 
     from trl import get_peft_config
 
@@ -154,11 +187,12 @@ def train(argv: list[str]) -> int:
 
 def _report_preemption(trainer, argv: list[str]) -> int:
     """Stopped by SIGTERM/SIGINT after saving a checkpoint: say where, how to resume, and exit 128 + signal."""
-    from transformers.trainer_utils import get_last_checkpoint
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
     signum = trainer.preemption.received
     if trainer.is_world_process_zero():
-        checkpoint = get_last_checkpoint(trainer.args.output_dir)
+        # the one this run just saved: the folder may hold higher-numbered checkpoints of an earlier run
+        checkpoint = Path(trainer.args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}"
         command = " ".join(["oblr-trl", "train", *argv, "--resume_from_checkpoint", str(checkpoint)])
         print(f"stopped by signal {signum} after step {trainer.state.global_step}; checkpoint: {checkpoint}\n"
               f"resume with: {command}")

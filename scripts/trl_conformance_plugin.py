@@ -118,29 +118,20 @@ if "__getattr__" not in vars(_import_utils):
 transformers.training_args.is_torch_bf16_gpu_available = lambda: True
 
 
-def _swap_trainer(variant: str) -> None:
+_variant = os.environ.get("OBLR_CONFORMANCE_VARIANT", "grpo")
+if _variant != "grpo":
     import trl
 
     from oblr_trl import OBLRPOConfig, OBLRPOTrainer
 
-    config = OBLRPOConfig
-    if variant == "exact":
+    # module-level classes: the Trainer pickles its arguments into every checkpoint
+    @dataclass
+    class ExactWeightsConfig(OBLRPOConfig):
+        baseline_weights: str = field(default="exact", metadata={"help": "conformance run: exact weights"})
 
-        @dataclass
-        class ExactWeightsConfig(OBLRPOConfig):
-            baseline_weights: str = field(default="exact", metadata={"help": "conformance run: exact weights"})
+    @dataclass
+    class PerSampleSNRConfig(OBLRPOConfig):
+        snr_estimator: str = field(default="per_sample", metadata={"help": "conformance run: per-sample SNR"})
 
-        config = ExactWeightsConfig
-    elif variant == "per_sample":
-
-        @dataclass
-        class PerSampleSNRConfig(OBLRPOConfig):
-            snr_estimator: str = field(default="per_sample", metadata={"help": "conformance run: per-sample SNR"})
-
-        config = PerSampleSNRConfig
-    trl.GRPOConfig, trl.GRPOTrainer = config, OBLRPOTrainer
-
-
-_variant = os.environ.get("OBLR_CONFORMANCE_VARIANT", "grpo")
-if _variant != "grpo":
-    _swap_trainer(_variant)
+    configs = {"oblrpo": OBLRPOConfig, "exact": ExactWeightsConfig, "per_sample": PerSampleSNRConfig}
+    trl.GRPOConfig, trl.GRPOTrainer = configs[_variant], OBLRPOTrainer

@@ -23,12 +23,17 @@ def test_help(script):
 
 def test_variance_smoke(saved_tiny_model, tmp_path):
     out = run("variance.py", "--model", str(saved_tiny_model), "--checkpoints", str(saved_tiny_model), "--prompts", "2",
-              "--pool", "4", "--group_size", "2", "--draws", "20", "--layers", "1", "--max_new_tokens", "4",
+              "--pool", "4", "--group_size", "2", "--draws", "20", "--layers", "1", "--max_new_tokens", "4", "--bootstrap", "5", "--bootstrap_draws", "10",
               "--output_dir", str(tmp_path))
     results = json.loads((tmp_path / "variance.json").read_text())
     assert len(results["points"]) == 2 and results["environment"]["command"].startswith("python")
-    names = [row["baseline"] for row in results["points"][0]["baselines"]]
-    assert "logit LOO (OBLR-PO default)" in names and "exact LOO" in names and "oracle b* (fixed per prompt)" in names
+    names = [row["name"] for row in results["points"][0]["baselines"]]
+    assert {"weighted", "shrunk", "pooled_slope", "exact_weighted", "oracle_b_star", "oracle_mean",
+            "rloo_exact_shift"} <= set(names)
+    assert results["default_estimator"] in results["estimators"]
+    entry = results["estimators"]["shrunk"]
+    assert set(entry["noise_to_signal_vs_rloo"]) == set(entry["noise_to_signal_vs_rloo_ci"]) == {"base", "trained"}
+    assert all(len(interval) == 2 for interval in entry["noise_to_signal_vs_rloo_ci"].values())
     assert (tmp_path / "variance.png").exists() and "| baseline |" in out
 
 
@@ -69,15 +74,17 @@ def test_variance_noise_to_signal_ignores_the_whole_group_shrinkage():
     rewards = (torch.rand(16, generator=generator) < 0.4).double()
     weights = {source: torch.rand(16, generator=generator, dtype=torch.float64) + 0.1
                for source in ("exact", "exact_full", "logit", "length")}
-    result = group_variances(gradients @ gradients.T, rewards, weights, 4, 4000, generator)
-    (trace_mean, signal_mean), (trace_rloo, signal_rloo) = result["group mean (GRPO)"], result["uniform LOO (RLOO)"]
+    slopes = {"logit": 0.0, "exact_full": 0.0}  # ρ = 0: the pooled baselines are RLOO
+    result = group_variances(gradients @ gradients.T, rewards, weights, 4, 4000, generator, slopes)
+    (trace_mean, signal_mean), (trace_rloo, signal_rloo) = result["grpo"], result["rloo"]
     assert trace_mean / trace_rloo == pytest.approx((3 / 4) ** 2)
     assert trace_mean / signal_mean == pytest.approx(trace_rloo / signal_rloo)
-    trace_exact, signal_exact = result["exact LOO"]
+    assert result["pooled_slope"] == pytest.approx(result["rloo"])
+    trace_exact, signal_exact = result["exact_subset_loo"]
     assert abs(trace_exact / signal_exact - trace_rloo / signal_rloo) > 1e-3 * trace_rloo / signal_rloo
     # gradients are centred in the pool (score identity): every leave-one-out baseline has the same expectation, so
     # the same signal up to the draws' noise; uncentred, E[b]·ḡ would shift each one differently
-    for label in ("length LOO", "logit LOO (OBLR-PO default)", "exact LOO"):
+    for label in ("length_loo", "weighted", "exact_subset_loo", "shrunk", "rloo_exact_shift"):
         assert result[label][1] == pytest.approx(signal_rloo, rel=0.05)
 
 

@@ -118,3 +118,49 @@ def test_tasks_command_lists_every_task(capsys):
     assert main(["tasks"]) == 0
     out = capsys.readouterr().out
     assert all(name in out for name in TASKS)
+
+
+def test_a_folder_holding_another_run_is_refused_before_any_model_loads(tmp_path, monkeypatch, capsys):
+    import oblr_trl.models
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(oblr_trl.models, "resolve_model", no_model)
+    run = tmp_path / "run"
+    (run / "checkpoint-60").mkdir(parents=True)
+    (run / "trainer_state.json").write_text("{}")
+    with pytest.raises(SystemExit) as refused:
+        main(["train", "--output_dir", str(run), "--max_steps", "1"])
+    message = str(refused.value.code)
+    assert str(run) in message and "--overwrite_output_dir" in message and "--resume_from_checkpoint" in message
+
+    from oblr_trl.cli import prepare_output_dir
+
+    prepare_output_dir(str(run), overwrite=False, resuming=True)  # continuing that run: allowed, nothing removed
+    assert (run / "checkpoint-60").exists()
+    prepare_output_dir(str(run), overwrite=True, resuming=False)  # replacing it: its checkpoints and state go
+    assert not (run / "checkpoint-60").exists() and not (run / "trainer_state.json").exists()
+    prepare_output_dir(str(tmp_path / "fresh"), overwrite=False, resuming=False)  # a new folder: nothing to say
+
+
+def test_flags_are_not_prefix_matched():
+    with pytest.raises(ValueError, match=r"not used by the HfArgumentParser: \['--learning_rat'"):
+        parse_train_args(["--learning_rat", "1e-5"])  # was silently taken as --learning_rate
+    assert parse_train_args(["--learning_rate", "1e-5"])[1].learning_rate == 1e-5
+
+
+def test_resume_command_names_the_checkpoint_this_run_saved(tmp_path, capsys):
+    from types import SimpleNamespace
+
+    from oblr_trl.cli import _report_preemption
+
+    (tmp_path / "checkpoint-60").mkdir()  # an earlier run's, higher-numbered
+    (tmp_path / "checkpoint-1").mkdir()
+    trainer = SimpleNamespace(
+        preemption=SimpleNamespace(received=15), args=SimpleNamespace(output_dir=str(tmp_path)),
+        state=SimpleNamespace(global_step=1), is_world_process_zero=lambda: True,
+    )
+    assert _report_preemption(trainer, ["--max_steps", "5"]) == 128 + 15
+    out = capsys.readouterr().out
+    assert f"--resume_from_checkpoint {tmp_path / 'checkpoint-1'}" in out and "checkpoint-60" not in out
