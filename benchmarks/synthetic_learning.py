@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, markdown_table, new_figure, save_figure, write_results  # noqa: E402
 
 from oblr_trl.advantages import gradient_weighted_advantages  # noqa: E402
+from oblr_trl.baselines import PooledSlope  # noqa: E402
 from oblr_trl.snr import SNRLearningRateController, cross_step_noise_estimate  # noqa: E402
 from oblr_trl.weights import length_weights, logit_gradient_sq_norms, uniform_weights  # noqa: E402
 
@@ -51,20 +52,29 @@ class Method:
     snr: str | None = None  # None (constant rate), "calibrated" or "absolute"
     min_ratio: float = 1.0
     max_ratio: float = 2.0
+    estimator: str = "weighted"  # the estimate of b* (OBLRPOConfig.baseline_estimator); "weighted" for the others
     description: str = ""
 
 
 METHODS = {
-    "oblrpo": Method("logit", True, "none", "calibrated", description="OBLR-PO defaults: logit-weighted LOO, calibrated SNR rate, ratio in [1, 2]"),
+    "oblrpo": Method("logit", True, "none", "calibrated", estimator="pooled_slope",
+                     description="OBLR-PO defaults: pooled-slope LOO (logit weights), calibrated SNR rate in [1, 2]"),
+    "oblrpo-weighted": Method("logit", True, "none", "calibrated",
+                              description="the paper's weighted LOO baseline, calibrated SNR rate"),
     "grpo": Method("uniform", False, "group", description="TRL's GRPO defaults: group mean, group std scaling"),
     "rloo": Method("uniform", True, "none", description="uniform leave-one-out, no scaling"),
     "opo": Method("length", False, "none", description="length-weighted whole-group baseline (verl's OPO)"),
-    "oblrpo-no-snr": Method("logit", True, "none", description="OBLR-PO's baseline, constant rate"),
-    "oblrpo-absolute": Method("logit", True, "none", "absolute", description="OBLR-PO with the paper-literal rate"),
-    "oblrpo-two-sided": Method("logit", True, "none", "calibrated", 0.5, 2.0, description="calibrated, ratio in [0.5, 2]"),
-    "oblrpo-wide": Method("logit", True, "none", "calibrated", 0.25, 4.0, description="calibrated, ratio in [0.25, 4]"),
+    "oblrpo-no-snr": Method("logit", True, "none", estimator="pooled_slope",
+                            description="OBLR-PO's baseline, constant rate"),
+    "oblrpo-absolute": Method("logit", True, "none", "absolute", estimator="pooled_slope",
+                              description="OBLR-PO with the paper-literal rate"),
+    "oblrpo-two-sided": Method("logit", True, "none", "calibrated", 0.5, 2.0, "pooled_slope",
+                               description="calibrated, ratio in [0.5, 2]"),
+    "oblrpo-wide": Method("logit", True, "none", "calibrated", 0.25, 4.0, "pooled_slope",
+                          description="calibrated, ratio in [0.25, 4]"),
     "rloo-group-scale": Method("uniform", True, "group", description="uniform LOO with group std scaling"),
-    "oblrpo-group-scale": Method("logit", True, "group", description="logit-weighted LOO with group std scaling"),
+    "oblrpo-group-scale": Method("logit", True, "group", estimator="pooled_slope",
+                                 description="OBLR-PO's baseline with group std scaling"),
 }
 
 
@@ -110,6 +120,7 @@ def run(method: Method, lrs: torch.Tensor, seeds: list[int], task: Task, teacher
     ] if method.snr else None
     factors = torch.ones(S)
     previous_grad = None
+    slopes = [PooledSlope(0.9) for _ in seeds]  # the trainer's POOLED_SLOPE_DECAY
     curve, lr_trace, factor_trace = [], [], []
 
     def held_out_score() -> torch.Tensor:
@@ -143,9 +154,14 @@ def run(method: Method, lrs: torch.Tensor, seeds: list[int], task: Task, teacher
             weights = length_weights(flat_mask)
         else:
             weights = uniform_weights(flat_mask)
+        slope = torch.tensor([fit.value for fit in slopes], dtype=torch.float32).repeat_interleave(n).unsqueeze(1)
         advantages = gradient_weighted_advantages(
-            reward.reshape(-1), weights, G, method.leave_one_out, method.scale_rewards
+            reward.reshape(-1), weights, G, method.leave_one_out, method.scale_rewards, estimator=method.estimator,
+            slope=slope,
         ).advantages.view(S, n, G, 1)
+        if method.estimator == "pooled_slope":  # after this batch's baselines, as in the trainer
+            for fit, seed_rewards, seed_weights in zip(slopes, reward, weights.view(S, n, G), strict=True):
+                fit.update(seed_rewards, seed_weights, method.leave_one_out)
         tokens_per_seed = mask.sum((1, 2, 3))
         loss = -((advantages * token_log_p * mask).sum((1, 2, 3)) / tokens_per_seed).sum()
         (grad,) = torch.autograd.grad(loss, params)
@@ -224,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in tqdm(args.methods, desc="test seeds"):
         results[name] = evaluate(METHODS[name], best[name], test)
     if "oblrpo" in results:  # a constant rate at the default's realised mean rate: is it the adaptation or the level?
-        constant = Method("logit", True, "none", description="OBLR-PO's baseline at oblrpo's realised mean rate")
+        constant = Method("logit", True, "none", estimator="pooled_slope",
+                          description="OBLR-PO's baseline at oblrpo's realised mean rate")
         realised = float(results["oblrpo"]["mean_lr"].mean())
         results["oblrpo-constant-control"] = evaluate(constant, realised, test)
         best["oblrpo-constant-control"] = realised

@@ -94,7 +94,7 @@ def gradient_weighted_advantages(
     scale_rewards: str = "none",
     estimator: str = "weighted",
     shrinkage: float = 0.5,
-    slope: float = 0.0,
+    slope: float | torch.Tensor = 0.0,
 ) -> AdvantageResult:
     """A_i = (r_i − b_i) / s with a gradient-weighted baseline b_i (DESIGN §2).
 

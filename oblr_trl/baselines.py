@@ -174,10 +174,13 @@ def _mean_and_variance_over(rewards: torch.Tensor, include: torch.Tensor) -> tup
     return mean, variance
 
 
-def pooled_slope_baseline(rewards: torch.Tensor, slope: float, leave_one_out: bool = True) -> BaselineResult:
+def pooled_slope_baseline(
+    rewards: torch.Tensor, slope: float | torch.Tensor, leave_one_out: bool = True
+) -> BaselineResult:
     """b_i = p̂_i + ρ·v̂_i with p̂_i, v̂_i the mean and variance of the other (or all) rewards of the group (module
-    docstring, `"pooled_slope"`). ``slope`` ρ must not depend on this batch (fit it on earlier ones) for the
-    leave-one-out estimator to stay unbiased. ρ = 0 is RLOO. Uses no weights, so it never falls back."""
+    docstring, `"pooled_slope"`). ``slope`` ρ (a number, or a tensor broadcastable to ``(num_groups, 1)``) must not
+    depend on this batch (fit it on earlier ones) for the leave-one-out estimator to stay unbiased. ρ = 0 is RLOO.
+    Uses no weights, so it never falls back."""
     if rewards.dim() != 2 or rewards.shape[-1] < 2:
         raise ValueError(f"rewards must be (num_groups, G) with G >= 2; got {tuple(rewards.shape)}.")
     include = _included(rewards, leave_one_out)

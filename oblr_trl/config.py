@@ -51,15 +51,18 @@ class OBLRPOConfig(GRPOConfig):
             The weight is that of completion i's actual contribution to the loss gradient: under a per-completion
             token mean (`loss_type` `"grpo"`, `"sapo"`) each token's term is divided by the completion's length L_i,
             so `logit` and `length` weights are divided by L_i² and `exact` ones measure Σ_t log p_t / L_i.
-        baseline_estimator (`str`, *optional*, defaults to `"weighted"`):
+        baseline_estimator (`str`, *optional*, defaults to `"pooled_slope"`):
             How b* = E[w r]/E[w] is estimated from the group (leave-one-out keeps every one of them unbiased):
 
-            - `"weighted"`: Σ_{j≠i} w_j r_j / Σ_{j≠i} w_j, the paper's estimator.
+            - `"weighted"`: Σ_{j≠i} w_j r_j / Σ_{j≠i} w_j, the paper's estimator (the default before measurement:
+              on SmolLM2 after 30 steps its noise ÷ signal was 1.037 [1.006, 1.060] × RLOO's, worse than RLOO).
             - `"shrunk"`: λ·(the weighted mean) + (1 − λ)·(the uniform mean) of the others, λ = `baseline_shrinkage`;
               less noise when the weights spread widely.
             - `"pooled_slope"`: p̂₋ᵢ + ρ̂·v̂₋ᵢ, the mean and variance of the other rewards and a slope ρ̂ fitted on earlier
               batches (weighted least squares, moving average; saved in checkpoints; logged as
-              `oblr/baseline_slope`). ρ̂ = 0 is RLOO.
+              `oblr/baseline_slope`). ρ̂ = 0 is RLOO. The default: the lowest noise ÷ signal of every unbiased estimate
+              on SmolLM2-135M (benchmarks/results/variance: 0.943 [0.875, 0.997] × RLOO's on the base model, 0.993
+              [0.973, 1.015] after 30 steps), where the weights enter through ρ̂ only.
         baseline_shrinkage (`float`, *optional*, defaults to `0.5`):
             λ of `"shrunk"`, in [0, 1]: 1 is `"weighted"`, 0 the uniform mean (RLOO).
         leave_one_out (`bool`, *optional*, defaults to `True`):
@@ -163,7 +166,7 @@ class OBLRPOConfig(GRPOConfig):
         },
     )
     baseline_estimator: str = field(
-        default="weighted",
+        default="pooled_slope",
         metadata={
             "help": "Estimate of b* = E[w r]/E[w] from the group: 'weighted' (Σ w r / Σ w over the others, the "
             "paper's), 'shrunk' (baseline_shrinkage·weighted + (1 − baseline_shrinkage)·uniform mean) or "

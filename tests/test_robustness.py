@@ -108,19 +108,27 @@ class BadWeights(RecordingTrainer):
 @pytest.mark.parametrize(
     "weights", [[0.0] * 8, [NAN] * 8, [INF, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 5.0]], ids=["zero", "nan", "inf", "mostly-zero"]
 )
-def test_zero_or_non_finite_weights_fall_back(make_trainer, tokenizer, prompt_dataset, tmp_path, weights):
+@pytest.mark.parametrize("estimator", ["weighted", "pooled_slope"])
+def test_zero_or_non_finite_weights_fall_back(make_trainer, tokenizer, prompt_dataset, tmp_path, weights, estimator):
+    """The weighted baseline falls back to the uniform mean (counted); the pooled slope leaves such weights out of its
+    fit (it uses no weights in the baseline itself): both train with finite advantages and a finite slope."""
+    import math
+
     from oblr_trl.testing import tiny_causal_lm
 
     trainer = BadWeights(
         model=tiny_causal_lm(tokenizer),
         reward_funcs=[digit_fraction_reward],
-        args=OBLRPOConfig(**base_config_kwargs(tmp_path)),
+        args=OBLRPOConfig(**base_config_kwargs(tmp_path, baseline_estimator=estimator)),
         train_dataset=prompt_dataset,
         processing_class=tokenizer,
         weights=weights,
     )
     _, logged = train_safely(trainer)
-    assert any(entry["oblr/loo_fallback_frac"] > 0 for entry in logged)
+    if estimator == "weighted":
+        assert any(entry["oblr/loo_fallback_frac"] > 0 for entry in logged)
+    else:
+        assert math.isfinite(trainer.pooled_slope.value)
 
 
 def test_two_completions_per_group(make_trainer):

@@ -102,7 +102,8 @@ def test_advantages_equal_pure_functions_of_gathered_inputs(make_trainer, overri
         )
         expected = gradient_weighted_advantages(
             rewards, weights, 4, overrides.get("leave_one_out", True), overrides.get("scale_rewards", "none"),
-            estimator=overrides.get("baseline_estimator", "weighted"), shrinkage=overrides.get("baseline_shrinkage", 0.5),
+            estimator=overrides.get("baseline_estimator", "pooled_slope"),
+            shrinkage=overrides.get("baseline_shrinkage", 0.5),
             slope=slope.value,
         )
         slope.update(rewards.view(-1, 4), weights.view(-1, 4))
@@ -114,14 +115,20 @@ def test_advantages_equal_pure_functions_of_gathered_inputs(make_trainer, overri
 
 
 def test_each_weight_option_changes_advantages(make_trainer):
-    first_batch = {}
+    """In the weighted baselines the weights enter b_i directly; in the default pooled slope they enter through ρ̂,
+    fitted on the batches before (so the second batch differs)."""
+    batches = {}
     for estimator in ("uniform", "logit", "length", "exact"):
-        trainer, rewards = run_capturing(make_trainer, max_steps=1, baseline_weights=estimator)
-        first_batch[estimator] = (trainer.captured[0][0]["advantages"], rewards[0])
-    uniform_advantages, uniform_rewards = first_batch.pop("uniform")
-    for estimator, (advantages, rewards) in first_batch.items():
+        weighted, rewards = run_capturing(make_trainer, max_steps=1, baseline_weights=estimator,
+                                          baseline_estimator="weighted")
+        pooled, _ = run_capturing(make_trainer, max_steps=2, baseline_weights=estimator)
+        batches[estimator] = (weighted.captured[0][0]["advantages"], rewards[0], pooled.captured[1][0]["advantages"],
+                              pooled.pooled_slope.value)
+    uniform_advantages, uniform_rewards, uniform_pooled, uniform_slope = batches.pop("uniform")
+    for estimator, (advantages, rewards, pooled, slope) in batches.items():
         assert torch.equal(rewards, uniform_rewards), f"{estimator}: same seed should give the same completions"
         assert not torch.allclose(advantages, uniform_advantages), estimator
+        assert slope != uniform_slope and not torch.allclose(pooled, uniform_pooled), estimator
 
 
 def test_importance_weighted_baseline_squares_the_ratio(make_trainer):
