@@ -107,10 +107,10 @@ class OBLRPOTrainer(GRPOTrainer):
 
     A drop-in replacement for [`~trl.GRPOTrainer`] (same arguments) that changes two things:
 
-    1. Advantages are r_i − b_i with the variance-optimal, gradient-weighted baseline
-       b_i = Σ_{j≠i} w_j r_j / Σ_{j≠i} w_j, w_j ∝ ‖∇_θ log π(o_j|q)‖² (see `OBLRPOConfig.baseline_weights`).
-    2. The scheduled learning rate of each optimizer step is multiplied by f_t = N·SNR/(1 + N·SNR), SNR = ‖μ‖²/tr Σ
-       measured from the gradients (see `OBLRPOConfig.use_snr_lr`).
+    1. Advantages are r_i − b_i with a leave-one-out estimate of the variance-optimal baseline b* = E[w r]/E[w],
+       w ∝ ‖∇_θ log π(o|q)‖² (see `OBLRPOConfig.baseline_estimator` and `baseline_weights`).
+    2. The scheduled learning rate of each optimizer step is scaled by a factor driven by the measured gradient
+       SNR = ‖μ‖²/tr Σ through f_t = N·SNR/(1 + N·SNR) (see `OBLRPOConfig.snr_lr_reference`).
 
     Example:
 
@@ -120,7 +120,7 @@ class OBLRPOTrainer(GRPOTrainer):
     trainer = OBLRPOTrainer(
         model="Qwen/Qwen3-4B-Base",
         reward_funcs=accuracy_reward,
-        args=OBLRPOConfig(output_dir="qwen3-oblrpo", gradient_accumulation_steps=8),
+        args=OBLRPOConfig(output_dir="qwen3-oblrpo"),
         train_dataset=dataset,
     )
     trainer.train()
