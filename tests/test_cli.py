@@ -164,3 +164,22 @@ def test_resume_command_names_the_checkpoint_this_run_saved(tmp_path, capsys):
     assert _report_preemption(trainer, ["--max_steps", "5"]) == 128 + 15
     out = capsys.readouterr().out
     assert f"--resume_from_checkpoint {tmp_path / 'checkpoint-1'}" in out and "checkpoint-60" not in out
+
+
+def test_overwrite_output_dir_reaches_the_folder_check(tmp_path, monkeypatch):
+    """`--overwrite_output_dir true` on the command line replaces the earlier run's checkpoints before the model
+    loads (the model load is stopped here)."""
+    import oblr_trl.models
+
+    class Stop(Exception):
+        pass
+
+    def stop(*args, **kwargs):
+        raise Stop
+
+    monkeypatch.setattr(oblr_trl.models, "resolve_model", stop)
+    run = tmp_path / "run"
+    (run / "checkpoint-60").mkdir(parents=True)
+    with pytest.raises(Stop):
+        main(["train", "--output_dir", str(run), "--max_steps", "1", "--overwrite_output_dir", "true"])
+    assert not (run / "checkpoint-60").exists()

@@ -436,3 +436,12 @@ def test_weights_take_the_loss_types_per_completion_gain(make_trainer, loss_type
     exact = make_trainer(baseline_weights="exact", loss_type=loss_type)
     scale = output["completion_mask"].float() * (torch.tensor([[1 / 3], [1 / 2]]) if loss_type != "dapo" else 1.0)
     assert torch.allclose(exact._completion_weights(output, None, "train"), exact._per_sample_grad_sq_norms(output, scale))
+
+
+def test_snr_options_reach_the_controller(make_trainer):
+    trainer = make_trainer(snr_lr_reference="calibrated", snr_calibration_steps=7, snr_lr_min_ratio=0.3,
+                           snr_lr_max_ratio=3.5, snr_warmup_steps=2)
+    controller = trainer.snr_controller
+    assert (controller.reference, controller.calibration.steps) == ("calibrated", 7)
+    assert (controller.min_ratio, controller.max_ratio, controller.calibration.start) == (0.3, 3.5, 2)
+    assert make_trainer(snr_lr_reference="absolute").snr_controller.reference == "absolute"
