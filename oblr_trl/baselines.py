@@ -32,6 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .options import BASELINE_ESTIMATORS
+
 __all__ = [
     "BASELINE_ESTIMATORS",
     "BaselineResult",
@@ -42,9 +44,6 @@ __all__ = [
     "pooled_slope_baseline",
     "shrunk_baseline",
 ]
-
-BASELINE_ESTIMATORS = ("weighted", "shrunk", "pooled_slope")
-
 
 @dataclass(frozen=True)
 class BaselineResult:

@@ -9,8 +9,13 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
+import re
 import sys
+import textwrap
+import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from importlib import resources
 from pathlib import Path
@@ -74,13 +79,44 @@ def task_options(source):
     )
 
 
+class UsageError(Exception):
+    """A mistake in the command line, the recipe or the environment: reported in one line, exit status 2."""
+
+
+DEBUG_ENV = "OBLR_TRL_DEBUG"
+DEFAULT_MODEL = "builtin:smollm2-135m-instruct"
+# the GRPOConfig / TrainingArguments / ModelConfig fields a recipe sets most often, named in the short help
+COMMON_FIELDS = (
+    "model_name_or_path", "output_dir", "learning_rate", "max_steps", "num_generations", "per_device_train_batch_size",
+    "gradient_accumulation_steps", "max_completion_length", "temperature", "beta", "loss_type", "scale_rewards",
+    "use_vllm", "vllm_mode", "use_peft", "bf16", "use_cpu", "save_strategy", "report_to", "push_to_hub",
+    "resume_from_checkpoint", "seed",
+)
+
+
+@contextmanager
+def reported_as_usage_errors():
+    """What goes wrong before training starts is the user's to fix (a value, a file, a name, the network): one line.
+    Errors once training runs keep their traceback."""
+    try:
+        yield
+    except UsageError:
+        raise
+    except (ValueError, FileNotFoundError, ImportError) as error:
+        raise UsageError(" ".join(str(error).split())) from error
+
+
 def make_train_parser():
     from trl import ModelConfig, TrlParser
 
     from .config import OBLRPOConfig
 
+    class TrainParser(TrlParser):
+        def error(self, message):  # argparse would print the 300-flag usage line first
+            raise UsageError(f"{message} (see `oblr-trl train --help`)")
+
     # no prefix matching: `--learning_rat` must not silently mean `--learning_rate` (a YAML typo is refused too)
-    return TrlParser((TaskArguments, OBLRPOConfig, ModelConfig), prog="oblr-trl train", allow_abbrev=False)
+    return TrainParser((TaskArguments, OBLRPOConfig, ModelConfig), prog="oblr-trl train", allow_abbrev=False)
 
 
 def parse_train_args(argv: list[str]):
@@ -88,10 +124,17 @@ def parse_train_args(argv: list[str]):
     argv = list(argv)
     if "--config" not in argv:
         argv = ["--config", str(embedded_recipe()), *argv]
-    config_path = Path(argv[argv.index("--config") + 1])
+    position = argv.index("--config")
+    if position + 1 == len(argv) or argv[position + 1].startswith("--"):
+        raise UsageError("--config needs a recipe file: --config RECIPE.yaml (see recipes/)")
+    config_path = Path(argv[position + 1])
+    if not config_path.is_file():
+        raise UsageError(f"--config {config_path}: no such file (recipes: recipes/*.yaml, or no --config for the quickstart)")
     overrides = [a for i, a in enumerate(argv) if a != "--config" and (i == 0 or argv[i - 1] != "--config")]
     parser = make_train_parser()
-    _reject_unknown_fields(parser, config_path)
+    known = {action.dest for action in parser._actions} | {"env"}
+    _reject_unknown_fields(known, config_path)
+    _reject_unknown_flags(known, overrides)
     task_args, training_args, model_args = parser.parse_args_and_config(argv)
     recipe = f"# {config_path.name}\n{config_path.read_text()}"
     if overrides:
@@ -99,20 +142,77 @@ def parse_train_args(argv: list[str]):
     return task_args, training_args, model_args, recipe
 
 
-def _reject_unknown_fields(parser, config_path: Path) -> None:
+def _did_you_mean(name: str, known: set[str], prefix: str = "") -> str:
+    close = difflib.get_close_matches(name, known, n=1)
+    return f" (did you mean {prefix}{close[0]}?)" if close else ""
+
+
+def _reject_unknown_fields(known: set[str], config_path: Path) -> None:
     """Unknown recipe keys fail before any configuration is built (TrlParser only checks them afterwards)."""
     import yaml
 
-    recipe = yaml.safe_load(config_path.read_text()) or {}
+    try:
+        recipe = yaml.safe_load(config_path.read_text()) or {}
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise UsageError(f"{config_path} is not valid YAML{where}: {getattr(error, 'problem', error)}") from error
     if not isinstance(recipe, dict):
-        raise ValueError(f"{config_path} must contain a YAML mapping of field: value.")
-    known = {action.dest for action in parser._actions} | {"env"}
+        raise UsageError(f"{config_path} must contain a YAML mapping of field: value.")
     unknown = sorted(set(recipe) - known)
     if unknown:
         raise ValueError(
-            f"Unknown fields in {config_path}: {', '.join(unknown)}. Allowed: the fields of TaskArguments, "
-            "OBLRPOConfig (every GRPOConfig field included) and trl.ModelConfig; see `oblr-trl train --help`."
+            f"Unknown fields in {config_path}: "
+            + ", ".join(f"{name}{_did_you_mean(name, known)}" for name in unknown)
+            + ". Allowed: the fields of TaskArguments, OBLRPOConfig (every GRPOConfig field included) and "
+            "trl.ModelConfig; see `oblr-trl train --help`."
         )
+
+
+def _reject_unknown_flags(known: set[str], overrides: list[str]) -> None:
+    for argument in overrides:
+        if argument.startswith("--"):
+            name = argument[2:].split("=", 1)[0]
+            if name not in known and name.replace("-", "_") not in known:
+                raise UsageError(f"unknown flag --{name}{_did_you_mean(name, known, '--')}; see `oblr-trl train --help`")
+
+
+def train_help() -> str:
+    """`oblr-trl train --help`: OBLR-PO options, then the task's, then where the other 300 fields are; no torch."""
+    from .options import OBLRPOOptions
+
+    def describe(dataclass_fields) -> list[str]:
+        lines = []
+        for item in dataclass_fields:
+            default = item.default_factory() if callable(item.default_factory) else item.default
+            choices = item.metadata.get("choices")
+            value = "{" + ",".join(choices) + "}" if choices else "VALUE"
+            lines.append(f"  --{item.name} {value}  (default: {default})")
+            lines += textwrap.wrap(item.metadata.get("help", ""), width=100, initial_indent=" " * 6, subsequent_indent=" " * 6)
+        return lines
+
+    return "\n".join([
+        "usage: oblr-trl train [--config RECIPE.yaml] [--FIELD VALUE ...] [--debug]",
+        "",
+        "Train with OBLR-PO from a trl-style YAML recipe; flags override the recipe's fields. Without --config: the",
+        "embedded quickstart (SmolLM2-135M-Instruct on one-digit addition, CPU, offline).",
+        "",
+        "  --config RECIPE.yaml  the recipe (see recipes/); every field below can be set in it",
+        "  --debug               show the traceback of an error (or set OBLR_TRL_DEBUG=1)",
+        "  --help-all            every field with its help (long)",
+        "",
+        "OBLR-PO options (OBLRPOConfig):",
+        *describe(fields(OBLRPOOptions)),
+        "",
+        "Task options:",
+        *describe(fields(TaskArguments)),
+        "",
+        "Every field of TRL's GRPOConfig, transformers' TrainingArguments and trl.ModelConfig is accepted too, e.g.",
+        *textwrap.wrap(", ".join(f"--{name}" for name in COMMON_FIELDS), width=110, initial_indent="  ",
+                       subsequent_indent="  "),
+        "(scale_rewards defaults to 'none' here). All of them: `oblr-trl train --help-all`, or",
+        "https://huggingface.co/docs/trl/grpo_trainer#trl.GRPOConfig.",
+    ])
 
 
 def prepare_output_dir(output_dir: str, overwrite: bool, resuming: bool) -> None:
@@ -129,8 +229,8 @@ def prepare_output_dir(output_dir: str, overwrite: bool, resuming: bool) -> None
     if not (previous or state.exists()) or resuming:
         return
     if not overwrite:
-        raise SystemExit(
-            f"oblr-trl train: {output_dir} holds another run ({len(previous)} checkpoint(s)"
+        raise UsageError(
+            f"{output_dir} holds another run ({len(previous)} checkpoint(s)"
             f"{', trainer_state.json' if state.exists() else ''}). Allowed: a new --output_dir, "
             "--resume_from_checkpoint CHECKPOINT to continue that run, or --overwrite_output_dir true to replace it."
         )
@@ -140,48 +240,66 @@ def prepare_output_dir(output_dir: str, overwrite: bool, resuming: bool) -> None
 
 
 def train(argv: list[str]) -> int:
+    if "-h" in argv or "--help" in argv:
+        print(train_help())
+        return 0
+    if "--help-all" in argv:
+        make_train_parser().print_help()
+        return 0
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    task_args, training_args, model_args, recipe = parse_train_args(argv)
-    if training_args.process_index == 0:
-        prepare_output_dir(training_args.output_dir, task_args.overwrite_output_dir,
-                           training_args.resume_from_checkpoint is not None)
+    # TRL 1.16 reads transformers 5's deprecated `is_gradient_checkpointing` around every generation: nothing the user
+    # can change (GRPOTrainer prints it too), so the console leaves it out
+    warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+    with reported_as_usage_errors():
+        task_args, training_args, model_args, recipe = parse_train_args(argv)
+        if training_args.process_index == 0:
+            prepare_output_dir(training_args.output_dir, task_args.overwrite_output_dir,
+                               training_args.resume_from_checkpoint is not None)
+        from . import models
+        from .rewards import get_reward_funcs
+        from .tasks import load_task, task_source
 
-    from trl import get_peft_config
+        model_name = model_args.model_name_or_path or DEFAULT_MODEL
+        models.check_model_available(model_name)
+        reward_funcs = get_reward_funcs(task_args.reward_funcs)
+        train_dataset = load_task(task_args.task, "train", task_args.options())
 
-    from .models import resolve_model
-    from .plotting import plot_run
-    from .rewards import get_reward_funcs
-    from .tasks import load_task
-    from .trainer import OBLRPOTrainer
+        from trl import get_peft_config
 
-    model_path = resolve_model(model_args.model_name_or_path or "builtin:smollm2-135m-instruct")
-    training_args.model_init_kwargs = {
-        "revision": model_args.model_revision,
-        "attn_implementation": model_args.attn_implementation,
-        "dtype": model_args.dtype or "float32",
-        **(training_args.model_init_kwargs or {}),
-    }
-    trainer = OBLRPOTrainer(
-        model=model_path,
-        reward_funcs=get_reward_funcs(task_args.reward_funcs),
-        args=training_args,
-        train_dataset=load_task(task_args.task, "train", task_args.options()),
-        peft_config=get_peft_config(model_args),
-    )
+        from .progress import ConciseProgressCallback
+        from .trainer import OBLRPOTrainer
+
+        training_args.model_init_kwargs = {
+            "revision": model_args.model_revision,
+            "attn_implementation": model_args.attn_implementation,
+            "dtype": model_args.dtype or "float32",
+            **(training_args.model_init_kwargs or {}),
+        }
+        trainer = OBLRPOTrainer(
+            model=models.resolve_model(model_name),
+            reward_funcs=reward_funcs,
+            args=training_args,
+            train_dataset=train_dataset,
+            peft_config=get_peft_config(model_args),
+        )
+    ConciseProgressCallback.replace_default(trainer)
     trainer.recipe = recipe
+    trainer.base_model_id = models.model_card_id(model_name)
+    dataset_id, trainer.dataset_description = task_source(task_args.task, task_args.options())
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     if trainer.preemption.received is not None:
         return _report_preemption(trainer, argv)
     trainer.save_model(training_args.output_dir)
     trainer.save_state()
-    dataset_name = task_args.task
-    trainer.create_model_card(model_name=Path(training_args.output_dir).name, dataset_name=dataset_name)
+    if trainer.is_world_process_zero() and task_args.plot:
+        from .plotting import plot_run
+
+        print(f"training curves: {plot_run(training_args.output_dir)}")
+    trainer.create_model_card(model_name=Path(training_args.output_dir).name, dataset_name=dataset_id)
     if trainer.is_world_process_zero():
-        if task_args.plot:
-            print(f"training curves: {plot_run(training_args.output_dir)}")
         _print_reward_change(trainer.state.log_history)
     if training_args.push_to_hub:
-        trainer.push_to_hub(dataset_name=dataset_name)
+        trainer.push_to_hub(dataset_name=dataset_id)
     return 0
 
 
@@ -207,9 +325,22 @@ def _print_reward_change(history: list[dict]) -> None:
         print(f"mean reward: first {window} logged steps {first:.3f} -> last {window} logged steps {last:.3f}")
 
 
-def evaluate_command(args: argparse.Namespace) -> int:
-    from .evaluation import evaluate, write_eval_report
+def eval_output_dir(model: str) -> str:
+    """MODEL/eval for a local model; otherwise runs/eval/<the model's name>, one folder per model."""
+    if os.path.isdir(model):
+        return os.path.join(model, "eval")
+    return os.path.join("runs", "eval", re.sub(r"[^A-Za-z0-9._-]+", "--", model).strip("-"))
 
+
+def evaluate_command(args: argparse.Namespace) -> int:
+    from .evaluation import check_sampling, evaluate, write_eval_report
+    from .models import check_model_available
+    from .tasks import load_task
+
+    with reported_as_usage_errors():  # everything evaluate() would refuse, before the model loads
+        check_sampling(args.n, args.temperature, args.backend)
+        check_model_available(args.model)
+        load_task(args.task, "test", task_options(args))
     result = evaluate(
         args.model,
         args.task,
@@ -222,7 +353,7 @@ def evaluate_command(args: argparse.Namespace) -> int:
         seed=args.seed,
         options=task_options(args),
     )
-    output_dir = args.output_dir or os.path.join(args.model if os.path.isdir(args.model) else "runs", "eval")
+    output_dir = args.output_dir or eval_output_dir(args.model)
     json_path, md_path = write_eval_report(result, output_dir)
     print(md_path.read_text())
     print(f"details: {json_path}")
@@ -232,7 +363,8 @@ def evaluate_command(args: argparse.Namespace) -> int:
 def plot_command(args: argparse.Namespace) -> int:
     from .plotting import plot_run
 
-    print(plot_run(args.run_dir, args.output))
+    with reported_as_usage_errors():
+        print(plot_run(args.run_dir, args.output))
     return 0
 
 
@@ -246,9 +378,23 @@ def tasks_command(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv or os.environ.get(DEBUG_ENV, "") not in ("", "0")
+    argv = [argument for argument in argv if argument != "--debug"]
+    try:
+        return run_command(argv)
+    except UsageError as error:
+        if debug:
+            raise
+        print(f"oblr-trl: error: {error}", file=sys.stderr)
+        return 2
+
+
+def run_command(argv: list[str]) -> int:
     if argv[:1] == ["train"]:  # TrlParser owns the whole command line of `train`
         return train(argv[1:])
-    parser = argparse.ArgumentParser(prog="oblr-trl", description="OBLR-PO for TRL users.")
+    parser = argparse.ArgumentParser(
+        prog="oblr-trl", description="OBLR-PO for TRL users.", epilog="--debug (any command): show the traceback of an error."
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("train", help="train from a YAML recipe (default: the embedded quickstart); --help for fields")
 
@@ -262,7 +408,8 @@ def main(argv: list[str] | None = None) -> int:
     eval_parser.add_argument("--batch_size", type=int, default=16)
     eval_parser.add_argument("--limit", dest="task_limit", type=int, default=None, help="first N problems only")
     eval_parser.add_argument("--backend", default="auto", choices=["auto", "transformers", "vllm"])
-    eval_parser.add_argument("--output_dir", default=None, help="default: MODEL/eval, or runs/eval for Hub ids")
+    eval_parser.add_argument("--output_dir", default=None,
+                             help="default: MODEL/eval for a local model, else runs/eval/<model id>")
     eval_parser.add_argument("--seed", type=int, default=0, help="sampling seed (the problems do not depend on it)")
     for task_field in fields(TaskArguments):  # the prompt and problems of the task, exactly as in training
         if task_field.name.startswith("task_") and task_field.name != "task_limit":

@@ -7,28 +7,39 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
-from .baselines import BASELINE_ESTIMATORS
+from .options import OBLRPOOptions, check_one_of, invalid_value
 
 __all__ = ["OBLRPOConfig"]
 
-BASELINE_WEIGHTS = ("logit", "length", "exact", "uniform")
-SNR_ESTIMATORS = ("cross_step", "two_batch", "per_sample")
-SNR_LR_REFERENCES = ("calibrated", "absolute")
 SCALE_REWARDS = ("none", "group", "batch")
 MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 
 
-def _invalid(name: str, value, allowed: str) -> ValueError:
-    return ValueError(f"Invalid value for `{name}`: {value!r}. Allowed values: {allowed}.")
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
 
 
-def _one_of(name: str, value, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise _invalid(name, value, ", ".join(repr(c) for c in choices))
+# (field, allowed values, check): numbers that torch's optimizer, the scheduler or generation would reject later
+TRAINER_VALUE_RULES = (
+    ("learning_rate", "a finite float >= 0", lambda v: _number(v) and v >= 0),
+    ("weight_decay", "a finite float >= 0", lambda v: _number(v) and v >= 0),
+    ("adam_beta1", "a float in [0, 1)", lambda v: _number(v) and 0 <= v < 1),
+    ("adam_beta2", "a float in [0, 1)", lambda v: _number(v) and 0 <= v < 1),
+    ("adam_epsilon", "a finite float >= 0", lambda v: _number(v) and v >= 0),
+    ("warmup_steps", "a number >= 0", lambda v: _number(v) and v >= 0),
+    ("max_steps", "-1 (train num_train_epochs) or an integer >= 1", lambda v: isinstance(v, int) and (v == -1 or v >= 1)),
+    ("num_train_epochs", "a finite float > 0", lambda v: _number(v) and v > 0),
+    ("per_device_train_batch_size", "an integer >= 1", lambda v: isinstance(v, int) and v >= 1),
+    ("gradient_accumulation_steps", "an integer >= 1", lambda v: isinstance(v, int) and v >= 1),
+    ("max_completion_length", "an integer >= 1", lambda v: isinstance(v, int) and v >= 1),
+    ("temperature", "a finite float > 0", lambda v: _number(v) and v > 0),
+    ("top_p", "a float in (0, 1]", lambda v: _number(v) and 0 < v <= 1),
+    ("beta", "a finite float >= 0", lambda v: _number(v) and v >= 0),
+)
 
 
 @dataclass
-class OBLRPOConfig(GRPOConfig):
+class OBLRPOConfig(GRPOConfig, OBLRPOOptions):
     r"""
     Configuration class for [`OBLRPOTrainer`]: every [`~trl.GRPOConfig`] parameter, plus the ones below.
 
@@ -154,175 +165,34 @@ class OBLRPOConfig(GRPOConfig):
         },
     )
 
-    # Parameters that control the baseline
-    baseline_weights: str = field(
-        default="logit",
-        metadata={
-            "help": "Estimator of the per-completion weight w_i ∝ ‖∇_θ log π(o_i|q)‖² used by the baseline: 'logit' "
-            "(Σ_t ‖∂ log p_t(y_t)/∂z_t‖², one chunked no-grad forward per generation batch), 'length' (number of "
-            "completion tokens, free), 'exact' (true squared gradient norm over the trainable parameters) or "
-            "'uniform' (1, i.e. RLOO's baseline).",
-            "choices": list(BASELINE_WEIGHTS),
-        },
-    )
-    baseline_estimator: str = field(
-        default="pooled_slope",
-        metadata={
-            "help": "Estimate of b* = E[w r]/E[w] from the group: 'weighted' (Σ w r / Σ w over the others, the "
-            "paper's), 'shrunk' (baseline_shrinkage·weighted + (1 − baseline_shrinkage)·uniform mean) or "
-            "'pooled_slope' (mean + ρ̂·variance of the others' rewards, ρ̂ fitted on earlier batches).",
-            "choices": list(BASELINE_ESTIMATORS),
-        },
-    )
-    baseline_shrinkage: float = field(
-        default=0.5,
-        metadata={"help": "λ of baseline_estimator='shrunk', in [0, 1]: 1 is 'weighted', 0 the uniform mean (RLOO)."},
-    )
-    leave_one_out: bool = field(
-        default=True,
-        metadata={
-            "help": "Leave completion i out of its own baseline (b_i = Σ_{j≠i} w_j r_j / Σ_{j≠i} w_j), which keeps the "
-            "estimator unbiased. If False, one whole-group baseline Σ_j w_j r_j / Σ_j w_j (verl's OPO/OTB)."
-        },
-    )
-    importance_weighted_baseline: bool = field(
-        default=True,
-        metadata={
-            "help": "Under vLLM importance-sampling correction, weight each token's contribution to w_i by the square "
-            "of its IS ratio, so the baseline is optimal for the corrected estimator. No effect otherwise, nor on "
-            "'uniform' weights."
-        },
-    )
-    per_sample_batch_size: int | None = field(
+    gradient_checkpointing: bool | None = field(
         default=None,
         metadata={
-            "help": "Sequences per forward and backward of the per-sample gradient norms ('exact' weights, "
-            "'per_sample' SNR). That pass runs without gradient checkpointing and holds every layer's activations "
-            "for its chunk, so a smaller value trades speed for peak memory. None: per_device_train_batch_size."
-        },
-    )
-
-    # Parameters that control the SNR-driven learning rate
-    use_snr_lr: bool = field(
-        default=True,
-        metadata={
-            "help": "Scale the scheduled learning rate of every optimizer step by a factor driven by the measured "
-            "gradient SNR = ‖μ‖²/tr Σ through f_t = N·SNR/(1 + N·SNR) (see snr_lr_reference)."
-        },
-    )
-    snr_lr_reference: str = field(
-        default="calibrated",
-        metadata={
-            "help": "What the configured learning rate means. 'calibrated': the rate at the SNR measured early in "
-            "training; lr = scheduled · clip(f_t / f_ref, snr_lr_min_ratio, snr_lr_max_ratio), 1 until f_ref is "
-            "resolved. 'absolute': the paper's η_max; lr = scheduled · max(f_t, snr_lr_floor).",
-            "choices": list(SNR_LR_REFERENCES),
-        },
-    )
-    snr_estimator: str = field(
-        default="cross_step",
-        metadata={
-            "help": "Estimator of ‖μ‖² and tr Σ: 'cross_step' (inner product of consecutive independently generated "
-            "step gradients, prompts as samples; works with one micro-batch), 'two_batch' (micro-batch vs full-step "
-            "gradient norms; needs gradient_accumulation_steps × processes >= 2) or 'per_sample' (per-completion "
-            "gradient norms of the loss, one extra batched forward and backward per micro-batch).",
-            "choices": list(SNR_ESTIMATORS),
-        },
-    )
-    snr_ema_decay: float = field(
-        default=0.9,
-        metadata={"help": "Decay of the bias-corrected moving averages of the ‖μ‖² and tr Σ estimates, in [0, 1)."},
-    )
-    snr_warmup_steps: int = field(
-        default=5,
-        metadata={
-            "help": "Optimizer steps measured before the estimate is used ('absolute': factor 1 until then; "
-            "'calibrated': the calibration window opens after them and after the learning-rate warm-up)."
-        },
-    )
-    snr_calibration_steps: int | None = field(
-        default=None,
-        metadata={
-            "help": "Smallest number of steps in the calibration window of 'calibrated'. None: max(20, "
-            "ceil(2/(1 - snr_ema_decay)))."
-        },
-    )
-    snr_lr_min_ratio: float = field(
-        default=1.0,
-        metadata={
-            "help": "Smallest calibrated factor f_t / f_ref, in (0, 1]. The default 1 never takes the rate below the "
-            "scheduled one (measured: a floor of 0.5 learned slower than GRPO on the synthetic testbed)."
-        },
-    )
-    snr_lr_max_ratio: float = field(
-        default=2.0,
-        metadata={"help": "Largest calibrated factor f_t / f_ref, >= 1."},
-    )
-    snr_lr_floor: float = field(
-        default=0.1,
-        metadata={"help": "Smallest factor of snr_lr_reference='absolute', in (0, 1]: no signal cannot stall training."},
-    )
-
-    # Parameters that control robustness
-    skip_nonfinite_steps: bool = field(
-        default=True,
-        metadata={
-            "help": "Refuse an optimizer step whose loss, gradient norm or learning-rate factor is not finite (skipped "
-            "and counted in `oblr/skipped_nonfinite_steps`) instead of writing NaN into the parameters."
-        },
-    )
-    save_on_preemption: bool = field(
-        default=True,
-        metadata={
-            "help": "On SIGTERM or SIGINT, finish the current optimizer step, save a resumable checkpoint and stop "
-            "(a second SIGINT interrupts at once)."
+            "help": "Alias of `activation_checkpointing` (TRL's GRPOConfig default, True, applies when neither is set)."
         },
     )
 
     def __post_init__(self):
-        self._validate_oblr_fields()
+        # TRL sets the old name's default to True, which makes transformers >= 5.2x warn that the user passed a
+        # deprecated name on every config; resolve the alias here so the warning is left to nobody.
+        if "activation_checkpointing" in self.__dataclass_fields__ and self.activation_checkpointing is None:
+            self.activation_checkpointing = True if self.gradient_checkpointing is None else self.gradient_checkpointing
+        elif self.gradient_checkpointing is None:
+            self.gradient_checkpointing = True
+        scale = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
+        check_one_of("scale_rewards", scale, SCALE_REWARDS)
+        check_one_of("multi_objective_aggregation", self.multi_objective_aggregation, MULTI_OBJECTIVE_AGGREGATIONS)
+        self.validate_options()
+        self._validate_trainer_values()
         super().__post_init__()
         self._validate_batch_layout()
 
-    def _validate_oblr_fields(self) -> None:
-        scale = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
-        _one_of("scale_rewards", scale, SCALE_REWARDS)
-        _one_of("multi_objective_aggregation", self.multi_objective_aggregation, MULTI_OBJECTIVE_AGGREGATIONS)
-        _one_of("baseline_weights", self.baseline_weights, BASELINE_WEIGHTS)
-        _one_of("snr_estimator", self.snr_estimator, SNR_ESTIMATORS)
-        _one_of("baseline_estimator", self.baseline_estimator, BASELINE_ESTIMATORS)
-        if not 0.0 <= self.baseline_shrinkage <= 1.0:
-            raise _invalid("baseline_shrinkage", self.baseline_shrinkage, "a float in [0, 1]")
-        if not 0.0 <= self.snr_ema_decay < 1.0:
-            raise _invalid("snr_ema_decay", self.snr_ema_decay, "a float in [0, 1)")
-        if isinstance(self.snr_warmup_steps, bool) or not isinstance(self.snr_warmup_steps, int) or self.snr_warmup_steps < 0:
-            raise _invalid("snr_warmup_steps", self.snr_warmup_steps, "an integer >= 0")
-        if self.per_sample_batch_size is not None and (
-            isinstance(self.per_sample_batch_size, bool)
-            or not isinstance(self.per_sample_batch_size, int)
-            or self.per_sample_batch_size < 1
-        ):
-            raise _invalid("per_sample_batch_size", self.per_sample_batch_size, "None or an integer >= 1")
-        if not 0.0 < self.snr_lr_floor <= 1.0:
-            raise _invalid("snr_lr_floor", self.snr_lr_floor, "a float in (0, 1]")
-        _one_of("snr_lr_reference", self.snr_lr_reference, SNR_LR_REFERENCES)
-        if self.snr_calibration_steps is not None and (
-            isinstance(self.snr_calibration_steps, bool)
-            or not isinstance(self.snr_calibration_steps, int)
-            or self.snr_calibration_steps < 2
-        ):
-            raise _invalid("snr_calibration_steps", self.snr_calibration_steps, "None or an integer >= 2")
-        if not 0.0 < self.snr_lr_min_ratio <= 1.0:
-            raise _invalid("snr_lr_min_ratio", self.snr_lr_min_ratio, "a float in (0, 1]")
-        if not self.snr_lr_max_ratio >= 1.0 or not math.isfinite(self.snr_lr_max_ratio):
-            raise _invalid("snr_lr_max_ratio", self.snr_lr_max_ratio, "a finite float >= 1")
-
-    @property
-    def resolved_snr_calibration_steps(self) -> int:
-        """`snr_calibration_steps`, or max(20, ⌈2/(1 − β)⌉) when it is None."""
-        if self.snr_calibration_steps is not None:
-            return self.snr_calibration_steps
-        return max(20, math.ceil(round(2.0 / (1.0 - self.snr_ema_decay), 6)))
+    def _validate_trainer_values(self) -> None:
+        """The GRPOConfig/TrainingArguments values that torch or the Trainer would only refuse after the model loads."""
+        for name, allowed, valid in TRAINER_VALUE_RULES:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not valid(value):
+                raise invalid_value(name, value, allowed)
 
     def _validate_batch_layout(self) -> None:
         if not self.use_snr_lr:

@@ -33,6 +33,18 @@ class EvalResult:
     samples: list[dict] = field(default_factory=list, repr=False)
 
 
+def check_sampling(n: int, temperature: float, backend: str) -> None:
+    """Raise ValueError for a sampling setting `evaluate` cannot honour."""
+    if n < 1:
+        raise ValueError(f"Invalid value for `n`: {n}. Allowed values: an integer >= 1.")
+    if temperature < 0.0:
+        raise ValueError(f"Invalid value for `temperature`: {temperature}. Allowed values: 0 (greedy) or a float > 0.")
+    if temperature == 0.0 and n > 1:
+        raise ValueError(f"Invalid value for `n`: {n}. Allowed values with temperature 0 (greedy): 1.")
+    if backend not in BACKENDS:
+        raise ValueError(f"Invalid value for `backend`: {backend!r}. Allowed values: {', '.join(map(repr, BACKENDS))}.")
+
+
 def evaluate(
     model: str,
     task: str,
@@ -49,12 +61,7 @@ def evaluate(
     """Sample ``n`` completions per problem of the task's test split (greedy when ``temperature`` is 0) and grade them."""
     from .models import resolve_model
 
-    if n < 1:
-        raise ValueError(f"Invalid value for `n`: {n}. Allowed values: an integer >= 1.")
-    if temperature == 0.0 and n > 1:
-        raise ValueError(f"Invalid value for `n`: {n}. Allowed values with temperature 0 (greedy): 1.")
-    if backend not in BACKENDS:
-        raise ValueError(f"Invalid value for `backend`: {backend!r}. Allowed values: {', '.join(map(repr, BACKENDS))}.")
+    check_sampling(n, temperature, backend)
     dataset = load_task(task, "test", options)
     path = resolve_model(model)
     if backend == "auto":

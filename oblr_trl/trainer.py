@@ -15,6 +15,7 @@ import contextlib
 import json
 import math
 import os
+import sys
 import textwrap
 import warnings
 from pathlib import Path
@@ -34,6 +35,7 @@ from .config import OBLRPOConfig
 from .optim_hooks import MicroBatchGradSqNorms, OptimizerStepGate, StepLearningRateScale, innermost_optimizer
 from .generation_hooks import GenerationLogitStats
 from .ghost_norms import log_likelihood_grad_sq_norms
+from .model_card import ModelCardFacts, model_card_text
 from .guards import PreemptionSignal, name_reward_errors, validate_training_data
 from .per_sample import per_sample_grad_sq_norms, row_objective
 from .sketch import GradientSketch
@@ -161,7 +163,11 @@ class OBLRPOTrainer(GRPOTrainer):
         )
         super().__init__(model, reward_funcs, args, *trainer_args, **trainer_kwargs)
         self._check_supported(args)
-        self.recipe: str | None = None  # the YAML recipe of a CLI run, added to the model card
+        # what the model card cannot read from the model and the data (set by `oblr-trl train`): the YAML recipe, the
+        # base model's Hub id (a built-in model is a local folder) and where the problems came from
+        self.recipe: str | None = None
+        self.base_model_id: str | None = None
+        self.dataset_description: str | None = None
 
         self._policy_module = self.model.get_base_model() if is_peft_model(self.model) else self.model
         self._log_sum_sq_forward = self._make_log_sum_sq_forward() if args.baseline_weights == "logit" else None
@@ -780,11 +786,65 @@ class OBLRPOTrainer(GRPOTrainer):
         self._metrics["train"]["snr/effective_lr"].append(scheduled_lr * factor)
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
-        super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
-        card = Path(self.args.output_dir) / "README.md"
-        if self.recipe and self.is_world_process_zero() and card.exists():
-            with card.open("a") as f:
-                f.write(f"\n## Training recipe\n\nTrained with `oblr-trl train` from this recipe:\n\n```yaml\n{self.recipe}\n```\n")
+        """README.md in output_dir: base model, problems, settings and results of this run (`oblr_trl.model_card`)."""
+        if not self.is_world_process_zero():
+            return
+        source = get_config_model_id(self.model.config) or ""
+        on_disk = os.path.isdir(source)
+        args = self.args
+        tags = [tags] if isinstance(tags, str) else list(tags or [])
+        curves = Path(args.output_dir) / "training_curves.png"
+        facts = ModelCardFacts(
+            model_name=model_name or Path(args.output_dir).name,
+            base_model=self.base_model_id or (None if on_disk else source or None),
+            base_model_path=source if on_disk else None,
+            hub_model_id=self.hub_model_id if args.push_to_hub else None,
+            output_dir=args.output_dir,
+            dataset_id=dataset_name,
+            dataset_description=self.dataset_description,
+            settings=self._model_card_settings(),
+            log_history=self.state.log_history,
+            tags=sorted({*self._tag_names, *tags}),
+            citation=self._paper["citation"],
+            curves=curves.name if curves.exists() else None,
+            tracker_url=_tracker_url(),
+            recipe=self.recipe,
+            paper=self._paper,
+        )
+        (Path(args.output_dir) / "README.md").write_text(model_card_text(facts))
+
+    def _model_card_settings(self) -> dict[str, str]:
+        args = self.args
+        per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
+        if args.use_snr_lr and args.snr_lr_reference == "calibrated":
+            rate_rule = (f"calibrated SNR factor in [{args.snr_lr_min_ratio:g}, {args.snr_lr_max_ratio:g}] "
+                         f"(`{args.snr_estimator}` estimator)")
+        elif args.use_snr_lr:
+            rate_rule = f"absolute SNR factor, floor {args.snr_lr_floor:g} (`{args.snr_estimator}` estimator)"
+        else:
+            rate_rule = "off (the scheduled rate)"
+        return {
+            "learning rate": f"{args.learning_rate:g}, `{_plain(args.lr_scheduler_type)}`, {args.warmup_steps:g} warm-up steps",
+            "learning-rate factor": rate_rule,
+            "baseline": (f"`{args.baseline_weights}` weights, `{args.baseline_estimator}` estimate"
+                         f"{', leave-one-out' if args.leave_one_out else ''}; scale_rewards `{args.scale_rewards}`"),
+            "completions per step": f"{per_step} ({per_step // self.num_generations} prompts × {self.num_generations})",
+            "max completion length": str(args.max_completion_length),
+            "loss type, KL β": f"`{args.loss_type}`, {args.beta:g}",
+            "optimizer, max grad norm": f"`{_plain(args.optim)}`, {args.max_grad_norm:g}",
+            "reward functions": ", ".join(f"`{name}`" for name in self.reward_func_names),
+        }
+
+    def _issue_warnings_after_load(self, load_result) -> None:
+        # transformers 5 reports a tied parameter (lm_head.weight tied to the embeddings) as missing from a resumed
+        # checkpoint: it is never saved, and tying it again restores it. Only the untied ones deserve the warning.
+        tied = {name for name, _ in self.model.named_parameters(remove_duplicate=False)} - {
+            name for name, _ in self.model.named_parameters()
+        }
+        missing = [key for key in load_result.missing_keys if key not in tied]
+        if len(missing) < len(load_result.missing_keys):
+            self.model.tie_weights()
+        super()._issue_warnings_after_load(load_result._replace(missing_keys=missing))
 
     # ------------------------------------------------------------------------------------------------------------
     # Checkpoints: the SNR state travels with them
@@ -830,3 +890,15 @@ class OBLRPOTrainer(GRPOTrainer):
         if os.path.exists(sketch_path):
             saved = torch.load(sketch_path, weights_only=True)
             self._previous_step = (saved["sketch"].to(self.accelerator.device), set(saved["generations"]))
+
+
+def _plain(value) -> str:
+    """An enum's value ('constant_with_warmup'), anything else as is."""
+    return str(getattr(value, "value", value))
+
+
+def _tracker_url() -> str | None:
+    """The Weights & Biases run of this process, if one is open (wandb is never imported for this)."""
+    wandb = sys.modules.get("wandb")
+    run = getattr(wandb, "run", None)
+    return getattr(run, "url", None)

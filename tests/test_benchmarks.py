@@ -48,17 +48,34 @@ def test_overhead_smoke(saved_tiny_model, tmp_path):
 
 
 def test_learning_smoke(saved_tiny_model, tmp_path):
-    run("learning.py", "--model", str(saved_tiny_model), "--methods", "oblrpo", "grpo", "--seeds", "0", "--steps", "2",
-        "--eval_every", "1", "--eval_problems", "4", "--set", "learning_rate=0.0001", "--jobs", "2",
-        "--output_dir", str(tmp_path))
-    results = json.loads((tmp_path / "learning.json").read_text())
-    assert [row["method"] for row in results["summary"]] == ["oblrpo", "grpo"]
-    assert {run["learning_rate"] for run in results["runs"]} == {1e-4}  # --set reached every run (the preset has 3e-5)
-    assert results["target_reward"] == 0.6  # the cpu preset's target, not the gpu preset's 0.7
-    runs = results["runs"]  # --jobs 2: both runs were alive at once (each takes seconds just to import)
-    assert max(r["started_at"] for r in runs) < min(r["finished_at"] for r in runs)
-    assert [point["step"] for point in results["runs"][0]["accuracy"]] == [0, 1, 2]
-    assert (tmp_path / "learning.png").exists()
+    args = ["--model", str(saved_tiny_model), "--rates", "1e-5", "1e-4", "--validation_seeds", "7", "--test_seeds", "0",
+            "--steps", "2", "--eval_problems", "4", "--set", "max_grad_norm=0.5", "--jobs", "2", "--bootstrap", "50",
+            "--output_dir", str(tmp_path)]
+    out = run("learning.py", *args)
+    results = json.loads((tmp_path / "summary.json").read_text())
+    methods = results["methods"]
+    assert list(methods) == ["oblrpo", "grpo", "oblrpo-constant"]
+    for name, entry in methods.items():
+        assert {"best_lr", "auc_mean", "auc_ci", "final_acc_mean", "final_acc_ci", "mean_lr_factor", "seeds"} <= set(entry)
+        assert entry["seeds"] == [0] and len(entry["auc_ci"]) == len(entry["final_acc_ci"]) == 2
+    for name in ("oblrpo", "grpo"):  # each at the best rate of its own sweep, on validation seeds only
+        assert methods[name]["best_lr"] in (1e-5, 1e-4) and set(methods[name]["sweep"]) == {"1e-05", "0.0001"}
+    assert methods["oblrpo-constant"]["best_lr"] == pytest.approx(methods["oblrpo"]["best_lr"] * methods["oblrpo"]["mean_lr_factor"])
+    assert "auc_diff_vs_grpo_ci" in methods["oblrpo"] and "auc_diff_vs_grpo" not in methods["grpo"]
+    sweep, test = results["runs"]["sweep"], results["runs"]["test"]
+    assert {r["seed"] for r in sweep} == {7} and {r["seed"] for r in test} == {0}
+    assert all(r["max_grad_norm"] == 0.5 for r in sweep + test)  # --set reached every run
+    held_out = {name: [json.loads(line) for line in (tmp_path / "data" / f"{name}.jsonl").read_text().splitlines()]
+                for name in ("train", "validation", "test")}
+    questions = {name: {row["question"] for row in rows} for name, rows in held_out.items()}
+    assert len(questions["test"]) == len(questions["validation"]) == 4
+    assert not questions["test"] & questions["train"] and not questions["validation"] & questions["train"]
+    assert (tmp_path / "summary.png").exists() and "| oblrpo |" in out
+    runs_before = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "runs").iterdir()}
+    assert len(runs_before) == 2 + 4 + 2 + 1  # untrained ×2 splits, sweep, test, control
+    run("learning.py", *args)  # resumes: every run is kept, none is repeated
+    assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "runs").iterdir()} == runs_before
+
 
 
 def test_variance_noise_to_signal_ignores_the_whole_group_shrinkage():

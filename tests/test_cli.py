@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from oblr_trl.cli import embedded_recipe, main, parse_train_args
+from oblr_trl.cli import UsageError, embedded_recipe, main, parse_train_args
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted(p for p in (ROOT / "recipes").rglob("*.yaml") if "accelerate_configs" not in p.parts)
@@ -62,34 +62,49 @@ def test_unknown_keys_fail_loudly(tmp_path):
     with pytest.raises(ValueError, match="not_a_field"):
         parse_train_args(["--config", str(recipe)])
     recipe.write_text("task: arithmetic\ngradient_accumulation_steps: 2\nbf16: false\n")
-    with pytest.raises(ValueError, match="also_not_a_field"):
+    with pytest.raises(UsageError, match="unknown flag --also_not_a_field"):
         parse_train_args(["--config", str(recipe), "--also_not_a_field", "1"])
 
 
-def test_bad_values_fail_before_any_model_loads(tmp_path, capsys):
-    with pytest.raises(SystemExit):  # a flag: argparse's choices
-        parse_train_args(["--baseline_weights", "gradient"])
-    assert "invalid choice: 'gradient' (choose from 'logit', 'length', 'exact', 'uniform')" in capsys.readouterr().err
+def test_bad_values_fail_before_any_model_loads(tmp_path):
+    with pytest.raises(UsageError, match=r"invalid choice: 'gradient' \(choose from 'logit', 'length', 'exact', 'uniform'\)"):
+        parse_train_args(["--baseline_weights", "gradient"])  # a flag: argparse's choices, without its usage wall
     recipe = tmp_path / "bad.yaml"
     recipe.write_text("gradient_accumulation_steps: 2\nbf16: false\nbaseline_weights: gradient\n")
     with pytest.raises(ValueError, match="`baseline_weights`: 'gradient'. Allowed values: 'logit'"):  # a recipe
         parse_train_args(["--config", str(recipe)])
 
 
-def test_train_eval_plot_end_to_end(tmp_path, saved_tiny_model, capsys):
+def test_train_eval_plot_end_to_end(tmp_path, saved_tiny_model, capsys, monkeypatch):
+    """The built-in model on the generated task, as the quickstart runs it (the built-in id resolves to a tiny model
+    here): trains, writes a model card that names the real base model and no Hub dataset, then eval and plot."""
+    import oblr_trl.models
+
+    monkeypatch.setattr(oblr_trl.models, "resolve_model", lambda name: str(saved_tiny_model))
     run = tmp_path / "run"
     assert main([
-        "train", "--model_name_or_path", str(saved_tiny_model), "--output_dir", str(run), "--max_steps", "2",
+        "train", "--model_name_or_path", "builtin:smollm2-135m-instruct", "--output_dir", str(run), "--max_steps", "2",
         "--per_device_train_batch_size", "4", "--num_generations", "4", "--max_completion_length", "6",
-        "--save_strategy", "steps", "--save_steps", "1", "--task_num_problems", "20",
+        "--save_strategy", "steps", "--save_steps", "1", "--task_num_problems", "20", "--learning_rate", "2e-5",
     ]) == 0
     assert (run / "model.safetensors").exists() and (run / "checkpoint-2" / "oblr_state.json").exists()
     card = (run / "README.md").read_text()
-    assert "OBLR-PO" in card and "## Training recipe" in card and "task: arithmetic" in card
+    smollm2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert f"fine-tuned version of [{smollm2}](https://huggingface.co/{smollm2})" in card
+    assert f"base_model: {smollm2}" in card and "None" not in card
+    assert "generated `arithmetic` task: 20 problems" in card and "huggingface.co/datasets" not in card
+    assert f'model="{run}"' in card  # the quick start loads this run's folder
+    assert "| learning rate | 2e-05, `constant_with_warmup`" in card
+    assert "| baseline | `logit` weights, `pooled_slope` estimate, leave-one-out; scale_rewards `none` |" in card
+    assert "| completions per step | 8 (2 prompts × 4) |" in card  # the quickstart's 4 × 2 micro-batches
+    assert "| mean reward |" in card and "| optimizer steps | 2 |" in card
+    assert "![training curves](training_curves.png)" in card
+    assert "## Training recipe" in card and "task: arithmetic" in card and "huang2025oblrpo" in card
     assert (run / "training_curves.png").stat().st_size > 10_000
     history = json.loads((run / "trainer_state.json").read_text())["log_history"]
     assert any("snr/lr_factor" in entry for entry in history)
-    assert "mean reward" in capsys.readouterr().out
+    out = capsys.readouterr()
+    assert "mean reward" in out.out and "'loss'" not in out.out + out.err  # the bar, not a dict per step
 
     assert main(["eval", "--model", str(run), "--task", "arithmetic", "--limit", "4", "--max_new_tokens", "4"]) == 0
     report = json.loads((run / "eval" / "arithmetic.json").read_text())
@@ -98,6 +113,30 @@ def test_train_eval_plot_end_to_end(tmp_path, saved_tiny_model, capsys):
 
     assert main(["plot", str(run), "--output", str(tmp_path / "curves.png")]) == 0
     assert (tmp_path / "curves.png").exists()
+
+
+def test_model_card_of_a_local_model_on_a_hub_dataset():
+    from oblr_trl.model_card import ModelCardFacts, model_card_text
+
+    facts = ModelCardFacts(
+        model_name="run", base_model=None, base_model_path="/models/mine", hub_model_id="me/run", output_dir="out",
+        dataset_id="openai/gsm8k", dataset_description=None, settings={"learning rate": "1e-06"},
+        log_history=[{"reward": 0.2, "step": 1}, {"reward": 0.6, "step": 2}, {"train_runtime": 12.0, "step": 2}],
+        tags=["oblr-po", "trl"], citation="@article{x}",
+    )
+    card = model_card_text(facts)
+    assert "fine-tuned version of the local model `/models/mine`, trained with OBLR-PO" in card
+    assert "on [openai/gsm8k](https://huggingface.co/datasets/openai/gsm8k)." in card
+    assert "base_model" not in card and "datasets:\n- openai/gsm8k" in card and 'model="me/run"' in card
+    assert "| mean reward | 0.200 (first 1 logged steps) → 0.600 (last 1) |" in card and "| training time | 12 s |" in card
+
+
+def test_eval_results_of_non_local_models_go_to_a_folder_per_model():
+    from oblr_trl.cli import eval_output_dir
+
+    assert Path(eval_output_dir("builtin:smollm2-135m-instruct")) == Path("runs/eval/builtin--smollm2-135m-instruct")
+    assert Path(eval_output_dir("Qwen/Qwen3-4B-Base")) == Path("runs/eval/Qwen--Qwen3-4B-Base")
+    assert Path(eval_output_dir(".")) == Path("eval")
 
 
 def test_eval_sampling_reports_pass_at_n(tmp_path, saved_tiny_model):
@@ -120,19 +159,12 @@ def test_tasks_command_lists_every_task(capsys):
     assert all(name in out for name in TASKS)
 
 
-def test_a_folder_holding_another_run_is_refused_before_any_model_loads(tmp_path, monkeypatch, capsys):
-    import oblr_trl.models
-
-    def no_model(*args, **kwargs):
-        raise AssertionError("a model was loaded")
-
-    monkeypatch.setattr(oblr_trl.models, "resolve_model", no_model)
+def test_a_folder_holding_another_run_is_refused_before_any_model_loads(tmp_path, no_model_load, capsys):
     run = tmp_path / "run"
     (run / "checkpoint-60").mkdir(parents=True)
     (run / "trainer_state.json").write_text("{}")
-    with pytest.raises(SystemExit) as refused:
-        main(["train", "--output_dir", str(run), "--max_steps", "1"])
-    message = str(refused.value.code)
+    assert main(["train", "--output_dir", str(run), "--max_steps", "1"]) == 2
+    message = capsys.readouterr().err
     assert str(run) in message and "--overwrite_output_dir" in message and "--resume_from_checkpoint" in message
 
     from oblr_trl.cli import prepare_output_dir
@@ -145,7 +177,7 @@ def test_a_folder_holding_another_run_is_refused_before_any_model_loads(tmp_path
 
 
 def test_flags_are_not_prefix_matched():
-    with pytest.raises(ValueError, match=r"not used by the HfArgumentParser: \['--learning_rat'"):
+    with pytest.raises(UsageError, match=r"unknown flag --learning_rat \(did you mean --learning_rate\?\)"):
         parse_train_args(["--learning_rat", "1e-5"])  # was silently taken as --learning_rate
     assert parse_train_args(["--learning_rate", "1e-5"])[1].learning_rate == 1e-5
 
@@ -183,3 +215,140 @@ def test_overwrite_output_dir_reaches_the_folder_check(tmp_path, monkeypatch):
     with pytest.raises(Stop):
         main(["train", "--output_dir", str(run), "--max_steps", "1", "--overwrite_output_dir", "true"])
     assert not (run / "checkpoint-60").exists()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A newcomer's mistakes: one line on stderr, exit status 2, before any model loads
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _local_file(tmp_path):
+    path = tmp_path / "problems.jsonl"
+    path.write_text('{"q": "1 + 1", "a": "2"}\n')
+    return str(path)
+
+
+def _recipe(tmp_path, text):
+    path = tmp_path / "recipe.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+MISTAKES = {
+    "missing --config file": (lambda tmp: ["train", "--config", str(tmp / "nope.yaml")], "nope.yaml: no such file"),
+    "YAML syntax": (lambda tmp: ["train", "--config", _recipe(tmp, "task: arithmetic\n  bad: [\n")],
+                    "is not valid YAML at line 2"),
+    "YAML field typo": (lambda tmp: ["train", "--config", _recipe(tmp, "lerning_rate: 1.0e-5\n")],
+                        "Unknown fields in", "lerning_rate (did you mean learning_rate?)"),
+    "flag typo": (lambda tmp: ["train", "--learning_rat", "1e-5"], "unknown flag --learning_rat (did you mean --learning_rate?)"),
+    "bad choice": (lambda tmp: ["train", "--snr_estimator", "magic"], "invalid choice: 'magic'"),
+    "unknown task": (lambda tmp: ["train", "--task", "nosuchtask"], "Invalid value for `task`: 'nosuchtask'. Allowed values:"),
+    "negative learning rate": (lambda tmp: ["train", "--learning_rate", "-1"],
+                               "Invalid value for `learning_rate`: -1.0. Allowed values: a finite float >= 0."),
+    "zero batch": (lambda tmp: ["train", "--per_device_train_batch_size", "0"], "`per_device_train_batch_size`: 0"),
+    "missing local file": (lambda tmp: ["train", "--task", "local", "--task_path", str(tmp / "none.jsonl")],
+                           "`task_path`", "no such file"),
+    "wrong question field": (lambda tmp: ["train", "--task", "local", "--task_path", _local_file(tmp),
+                                          "--task_question_field", "question"],
+                             "Invalid value for `task_question_field`: 'question'. Allowed values: a column of the file: 'q', 'a'."),
+    "no default field": (lambda tmp: ["train", "--task", "local", "--task_path", _local_file(tmp)],
+                         "`task_question_field`: None (unset, and none of ['question', 'problem', 'prompt'] is a column)"),
+    "unknown reward": (lambda tmp: ["train", "--reward_funcs", "no_such_package.reward"],
+                       "`reward_funcs`: 'no_such_package.reward' cannot be imported"),
+    "unknown built-in model": (lambda tmp: ["train", "--model_name_or_path", "builtin:gpt5"],
+                               "`model_name_or_path`: 'builtin:gpt5'. Allowed values: a local model folder"),
+    "model folder without a model": (lambda tmp: ["train", "--model_name_or_path", str(tmp)], "is a folder without config.json"),
+    "no such model folder": (lambda tmp: ["train", "--model_name_or_path", "./models/mine"], "no such folder"),
+    "Hub model while offline": (lambda tmp: ["train", "--model_name_or_path", "nosuchmodel"],
+                                "'nosuchmodel' is not a local folder nor in the Hub cache, and HF_HUB_OFFLINE is set"),
+    "eval: Hub model while offline": (lambda tmp: ["eval", "--model", "nosuchorg/nosuchmodel", "--task", "arithmetic"],
+                                      "HF_HUB_OFFLINE is set"),
+    "eval: unknown task": (lambda tmp: ["eval", "--model", "builtin:smollm2-135m-instruct", "--task", "gsm9k"],
+                           "Invalid value for `task`: 'gsm9k'"),
+    "eval: sampling": (lambda tmp: ["eval", "--model", "builtin:smollm2-135m-instruct", "--task", "arithmetic", "--n", "4"],
+                       "Allowed values with temperature 0 (greedy): 1"),
+    "plot: no run": (lambda tmp: ["plot", str(tmp / "nothing")], "no trainer_state.json"),
+}
+
+
+@pytest.mark.parametrize("mistake", list(MISTAKES))
+def test_each_mistake_gives_one_line_and_exit_2_before_any_model_loads(mistake, tmp_path, no_model_load, monkeypatch,
+                                                                       capsys):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # never the network in tests
+    argv, *expected = MISTAKES[mistake]
+    output_dir = ["--output_dir", str(tmp_path / "run")] if argv(tmp_path)[0] == "train" else []
+    assert main([*argv(tmp_path), *output_dir]) == 2
+    out, err = capsys.readouterr()
+    lines = [line for line in err.splitlines() if line.strip() and "Generating train split" not in line]
+    assert len(lines) == 1 and lines[0].startswith("oblr-trl: error: "), err
+    assert all(text in lines[0] for text in expected), lines[0]
+    assert "Traceback" not in out + err and not (tmp_path / "run").exists()
+
+
+def test_a_misspelt_hub_model_is_named_as_such(tmp_path, no_model_load, monkeypatch, capsys):
+    import huggingface_hub
+    import huggingface_hub.constants
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    def not_found(self, repo_id, **kwargs):
+        error = RepositoryNotFoundError.__new__(RepositoryNotFoundError)  # as raised for a 404, without an HTTP reply
+        Exception.__init__(error, f"404 {repo_id}")
+        raise error
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.HfApi, "model_info", not_found)
+    assert main(["train", "--model_name_or_path", "Qwen/Qwen3-4B-Bsae", "--output_dir", str(tmp_path / "run")]) == 2
+    assert "no model 'Qwen/Qwen3-4B-Bsae' on the Hub (check the spelling" in capsys.readouterr().err
+
+
+def test_an_unreachable_hub_dataset_is_named_with_what_to_try(tmp_path, no_model_load, monkeypatch, capsys):
+    import datasets
+
+    def offline(*args, **kwargs):
+        raise ConnectionError("Couldn't reach 'openai/gsm8k' on the Hub (LocalEntryNotFoundError)")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    assert main(["train", "--task", "gsm8k", "--output_dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "Cannot load the Hub dataset 'openai/gsm8k' of task 'gsm8k'" in err and "arithmetic, gsm8k-100, local" in err
+
+
+def test_debug_shows_the_traceback(tmp_path, no_model_load, monkeypatch):
+    with pytest.raises(UsageError) as raised:
+        main(["train", "--learning_rate", "-1", "--output_dir", str(tmp_path / "run"), "--debug"])
+    assert isinstance(raised.value.__cause__, ValueError)  # the original error, with its traceback
+    monkeypatch.setenv("OBLR_TRL_DEBUG", "1")
+    with pytest.raises(UsageError):
+        main(["train", "--learning_rate", "-1", "--output_dir", str(tmp_path / "run")])
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["tasks"], ["train", "--help"]], ids=" ".join)
+def test_help_and_tasks_start_without_torch(argv):
+    """`--help`, `tasks` and `train --help` must answer at once: they may not import torch, transformers or TRL."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\nfrom oblr_trl.cli import main\n"
+        f"try:\n    main({argv!r})\nexcept SystemExit:\n    pass\n"
+        "print('HEAVY', sorted(m for m in ('torch', 'transformers', 'trl') if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert "HEAVY []" in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]
+
+
+def test_train_help_is_short_and_grouped(capsys):
+    assert main(["train", "--help"]) == 0
+    text = capsys.readouterr().out
+    lines = text.splitlines()
+    assert len(lines) < 150 and lines[0].startswith("usage: oblr-trl train [--config RECIPE.yaml]")
+    sections = [text.index(title) for title in ("--config RECIPE.yaml", "OBLR-PO options", "Task options", "--help-all")]
+    assert sections[:3] == sorted(sections[:3])
+    from dataclasses import fields
+
+    from oblr_trl.cli import TaskArguments
+    from oblr_trl.options import OBLRPOOptions
+
+    assert all(f"--{item.name} " in text for item in [*fields(OBLRPOOptions), *fields(TaskArguments)])

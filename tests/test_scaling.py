@@ -117,6 +117,24 @@ def test_resume_continues_exactly(make_trainer, tmp_path):
             assert a == pytest.approx(b, rel=1e-5, abs=1e-8), (step, key, a, b)
 
 
+def test_resuming_a_tied_embedding_model_does_not_report_its_tied_head_missing(make_trainer, tokenizer, tmp_path,
+                                                                               monkeypatch):
+    """transformers 5 lists lm_head.weight, tied to the embeddings and so never saved, as a missing key on resume."""
+    import transformers.trainer
+
+    from oblr_trl.testing import tiny_causal_lm
+
+    warned = []
+    monkeypatch.setattr(transformers.trainer.logger, "warning", lambda message, *a, **k: warned.append(str(message)))
+    common = dict(max_steps=3, save_strategy="steps", save_steps=2, output_dir=str(tmp_path / "run"))
+    make_trainer(model=tiny_causal_lm(tokenizer, tie_word_embeddings=True), callbacks=[StopAt(2)], **common).train()
+    trainer = make_trainer(model=tiny_causal_lm(tokenizer, tie_word_embeddings=True, seed=1), **common)
+    trainer.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
+    assert not [message for message in warned if "missing keys" in message], warned
+    model = trainer.model
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+
+
 def test_old_checkpoint_without_oblr_state_resumes_with_a_warning(make_trainer, tmp_path):
     common = dict(max_steps=4, save_strategy="steps", save_steps=2, output_dir=str(tmp_path / "run"))
     make_trainer(callbacks=[StopAt(2)], **common).train()
@@ -140,6 +158,7 @@ raise SystemExit(main([
     "train", "--model_name_or_path", {model!r}, "--output_dir", {out!r}, "--max_steps", "500",
     "--per_device_train_batch_size", "4", "--num_generations", "4", "--max_completion_length", "4",
     "--task_num_problems", "64", "--save_strategy", "no", "--plot", "false", "--save_on_preemption", {flag!r},
+    "--disable_tqdm", "true",  # the metrics dict printed per step tells when the first step is done
 ]))
 """
 
