@@ -89,10 +89,11 @@ def build_trainer(
                        train_dataset=train_dataset, callbacks=list(callbacks), peft_config=peft_config)
 
 
-def run_in_subprocesses(script: str, specs: list[dict], description: str, jobs: int = 1) -> list[dict]:
+def run_in_subprocesses(script: str, specs: list[dict], description: str, jobs: int = 1, on_result=None) -> list[dict]:
     """Run ``script --child <spec>`` once per spec, each in a fresh process, ``jobs`` at a time, and collect their
     RESULT lines in the order of ``specs``. More than one job only where runs do not time each other (a GPU with room
-    for several small models); the first failure cancels the runs not yet started."""
+    for several small models, or runs that report no timings); the first failure cancels the runs not yet started.
+    ``on_result(spec, result)`` is called as each run finishes (to keep it if a later run fails)."""
     from concurrent.futures import ThreadPoolExecutor, as_completed
 
     from tqdm.auto import tqdm
@@ -102,7 +103,10 @@ def run_in_subprocesses(script: str, specs: list[dict], description: str, jobs: 
         lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
         if done.returncode != 0 or not lines:
             raise RuntimeError(f"run {spec} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
-        return json.loads(lines[-1][len("RESULT "):])
+        result = json.loads(lines[-1][len("RESULT "):])
+        if on_result is not None:
+            on_result(spec, result)
+        return result
 
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         futures = [pool.submit(run, spec) for spec in specs]

@@ -1,34 +1,46 @@
-"""Benchmark `learning`: reward and held-out accuracy against step for OBLR-PO and the baselines it refines.
+"""Benchmark `learning`: does OBLR-PO's default learn at least as fast as TRL's GRPO, each at its own best rate?
 
-Methods (same model, data order, schedule and seeds; only the baseline and the learning-rate factor differ):
+Protocol (the same for every preset):
 
-* `oblrpo`: OBLR-PO defaults (logit weights, leave-one-out, no std scaling, SNR learning rate);
-* `oblrpo-no-snr`: the same baseline, the scheduled learning rate as is;
+1. **Sweep.** Every method trains at each rate of a log-spaced grid (the GRPO rate ×1/3 … ×10) on validation seeds;
+   its best rate is the one with the highest mean final accuracy on the *validation* problems (ties: reward AUC).
+2. **Test.** Every method trains at its best rate on fresh test seeds, paired across methods (same seed, same model,
+   same prompt order); the final greedy accuracy is measured on the *test* problems, which neither the training nor the
+   sweep sees.
+3. **Control.** `oblrpo-constant`: OBLR-PO's baseline at a constant rate equal to the default's realised mean effective
+   rate on the test seeds, so that a difference the SNR factor makes is not just a different mean rate.
+
+The problems are "a + b" and "a − b" with operands 0…`max_operand`, split once into disjoint test, validation and
+training sets. Every method uses the same optimizer, gradient clipping (`max_grad_norm`; the clipped fraction of steps
+is reported), `loss_type`, KL coefficient and completions per step; only the baseline, the reward scaling and the
+learning-rate rule differ:
+
+* `oblrpo`: OBLRPOTrainer with its defaults (pooled-slope gradient-weighted baseline, no std scaling, calibrated SNR
+  learning rate);
 * `grpo`: TRL's GRPOTrainer with its defaults (group mean, group std scaling);
-* `rloo`: uniform leave-one-out, no std scaling (RLOO), no SNR factor;
-* `opo`: length weights, whole-group baseline (verl's OPO), no SNR factor.
+* `oblrpo-no-snr`, `rloo`, `opo`: for a longer run (`--methods`). The {none, group} × {uniform, weighted} cross that
+  separates scaling from baseline runs on the synthetic testbed (`synthetic_learning.py`), which has the seeds for it.
 
-Each (method, seed) runs in its own process; the held-out accuracy is greedy pass@1 on problems the training never
-sees, measured every `--eval_every` steps. The default size fits in about 90 minutes on 2 CPU cores:
+Reported per method: best rate, reward area under the curve (mean training reward over the steps), final test
+accuracy, both with bootstrap 95 % intervals over seeds, and their paired differences with `grpo`; the mean SNR factor
+(all steps, and after the calibration window), the fraction of clipped steps; curves of reward, effective rate, f_t,
+gradient norm and the noise estimates. Each run is a fresh process and its result is kept under
+`<output_dir>/runs/`, so an interrupted benchmark resumes where it stopped.
 
-    python benchmarks/learning.py                          # SmolLM2-135M-Instruct, one-digit + and −, 3 seeds
-    python benchmarks/learning.py --preset gpu             # Qwen3-4B-Base on GSM8K (recipes/Qwen3-4B-Base)
-    python benchmarks/learning.py --set use_cpu=false --jobs 10    # the cpu preset on one GPU, 10 runs at once
-
-How the cpu preset's size was chosen: one-digit + and − starts SmolLM2-135M-Instruct at about half right (0.55
-held-out), so groups of 4 often have mixed rewards and there is room to improve; 24 tokens hold an answer with a
-short working; 8 completions per step (two groups of 4, so that GRPO's per-group std scaling differs from RLOO's,
-which one group per step and gradient clipping make identical) at about 15 s a step give 24 steps × 5 methods ×
-3 seeds in the time budget. Rewards rise from step ~12 (learning rate 3e-5 after 5 warm-up steps); on an H100 with
-4 seeds the methods without the SNR factor separated from OBLR-PO's defaults by 24–40 steps, while the seed spread
-stayed larger than the gaps among GRPO, RLOO and OBLR-PO's baseline (benchmarks/results/gpu_h100/README.md).
+    python benchmarks/learning.py                      # SmolLM2-135M on CPU, 2 runs at a time (about 100 minutes)
+    python benchmarks/learning.py --preset gpu         # SmolLM2-135M, 100 steps × 64 completions, on one GPU
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
+import os
+import random
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -47,34 +59,40 @@ from common import (  # noqa: E402
 
 METHODS = {
     "oblrpo": {},
-    "oblrpo-no-snr": {"use_snr_lr": False},
     "grpo": None,
-    "rloo": {"baseline_weights": "uniform", "use_snr_lr": False, "scale_rewards": "none"},
-    "opo": {"baseline_weights": "length", "leave_one_out": False, "use_snr_lr": False, "scale_rewards": "none"},
+    "oblrpo-no-snr": {"use_snr_lr": False},
+    "rloo": {"baseline_weights": "uniform", "baseline_estimator": "weighted", "use_snr_lr": False},
+    "opo": {"baseline_weights": "length", "baseline_estimator": "weighted", "leave_one_out": False, "use_snr_lr": False},
 }
+CONTROL = "oblrpo-constant"
+REFERENCE = "grpo"
+# the curves logged per step, besides the reward
+TRACES = ("learning_rate", "grad_norm", "snr/lr_factor", "snr/effective_lr", "snr/bound_factor", "snr/grad_sq_norm_ema",
+          "snr/trace_cov_ema", "snr/resolved", "snr/calibration_t", "snr/reference_factor")
 PRESETS = {
     "cpu": {
         "model": "builtin:smollm2-135m-instruct",
-        "task": "arithmetic",
-        "task_options": {"digits": 1, "operators": "+-", "num_problems": 1000},
-        # two groups of 4 per step: with one group per step, GRPO's std scaling is one factor for the whole step
-        # that gradient clipping (max_grad_norm=1) removes, so GRPO and RLOO took identical steps (module docstring)
-        "config": dict(per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=4,
-                       max_completion_length=24, learning_rate=3e-5, lr_scheduler_type="constant_with_warmup",
-                       warmup_steps=5, gradient_checkpointing=False, bf16=False, use_cpu=True),
-        "peft": None,
-        "steps": 24, "eval_every": 8, "eval_problems": 30, "eval_max_new_tokens": 24, "target_reward": 0.6,
+        "max_operand": 19,
+        # two groups of 4 in one micro-batch: GRPO's per-group std scaling then differs from no scaling (one group
+        # per step, rescaled as a whole, would be undone by gradient clipping)
+        "config": dict(per_device_train_batch_size=8, gradient_accumulation_steps=1, num_generations=4,
+                       max_completion_length=16, learning_rate=3e-5, lr_scheduler_type="constant_with_warmup",
+                       warmup_steps=5, max_grad_norm=1.0, beta=0.0, loss_type="dapo", gradient_checkpointing=False,
+                       bf16=False, use_cpu=True),
+        "rates": [1e-5, 3e-5, 1e-4, 3e-4],
+        "steps": 40, "validation_seeds": [100], "test_seeds": [0, 1, 2, 3, 4], "eval_problems": 200,
+        "eval_max_new_tokens": 16, "jobs": 2,
     },
     "gpu": {
-        "model": "Qwen/Qwen3-4B-Base",
-        "task": "gsm8k",
-        "task_options": {},
-        "config": dict(per_device_train_batch_size=16, gradient_accumulation_steps=8, num_generations=8,
-                       max_completion_length=1024, learning_rate=1e-5, lr_scheduler_type="constant_with_warmup",
-                       warmup_steps=10, gradient_checkpointing=True, bf16=True, use_vllm=True, vllm_mode="colocate",
-                       vllm_gpu_memory_utilization=0.4),
-        "peft": {"r": 32, "lora_alpha": 64, "target_modules": "all-linear", "task_type": "CAUSAL_LM"},
-        "steps": 100, "eval_every": 25, "eval_problems": 200, "eval_max_new_tokens": 1024, "target_reward": 0.7,
+        "model": "builtin:smollm2-135m-instruct",
+        "max_operand": 19,
+        "config": dict(per_device_train_batch_size=64, gradient_accumulation_steps=1, num_generations=8,
+                       max_completion_length=16, learning_rate=3e-5, lr_scheduler_type="constant_with_warmup",
+                       warmup_steps=5, max_grad_norm=1.0, beta=0.0, loss_type="dapo", gradient_checkpointing=False,
+                       bf16=True),
+        "rates": [1e-5, 3e-5, 1e-4, 3e-4],
+        "steps": 100, "validation_seeds": [100, 101], "test_seeds": [0, 1, 2, 3, 4, 5, 6, 7], "eval_problems": 200,
+        "eval_max_new_tokens": 16, "jobs": 4,
     },
 }
 
@@ -84,120 +102,194 @@ def parse_args(argv=None):
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
     parser.add_argument("--model", default=None, help="override the preset's model")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
-                        help="override a field of the preset's config (YAML value), e.g. --set use_cpu=false to run "
-                             "the cpu preset on a GPU")
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+                        help="override a field of the preset's config for every method, e.g. --set max_steps=60")
+    parser.add_argument("--methods", nargs="+", default=["oblrpo", REFERENCE], choices=list(METHODS))
+    parser.add_argument("--rates", type=float, nargs="+", default=None, help="the sweep's grid (preset default)")
+    parser.add_argument("--validation_seeds", type=int, nargs="+", default=None)
+    parser.add_argument("--test_seeds", type=int, nargs="+", default=None)
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps per run (preset default)")
-    parser.add_argument("--eval_every", type=int, default=None)
-    parser.add_argument("--eval_problems", type=int, default=None)
-    parser.add_argument("--target_reward", type=float, default=None,
-                        help="for 'steps to reach' (5-step moving average; preset default)")
-    parser.add_argument("--jobs", type=int, default=1,
-                        help="runs at once, each its own process (a GPU with room for several small models); "
-                             "the 'min / run' column then counts time shared with the other runs")
-    parser.add_argument("--output_dir", default=str(RESULTS / "learning"))
-    parser.add_argument("--name", default="learning")
+    parser.add_argument("--eval_problems", type=int, default=None, help="problems in each of test and validation")
+    parser.add_argument("--jobs", type=int, default=None,
+                        help="runs at once, each its own process with cpu_count/jobs threads (preset default)")
+    parser.add_argument("--bootstrap", type=int, default=10_000, help="bootstrap resamples for the intervals")
+    parser.add_argument("--output_dir", default=None, help="default: benchmarks/results/learning_<preset>")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
+def problem_splits(max_operand: int, eval_problems: int, seed: int = 0) -> dict[str, list[dict[str, str]]]:
+    """Every "a ± b" with operands 0…max_operand, shuffled once and cut into disjoint test, validation and train sets."""
+    problems = [
+        {"question": f"{a} {op} {b}", "answer": str(a + b if op == "+" else a - b)}
+        for a in range(max_operand + 1) for b in range(max_operand + 1) for op in "+-"
+    ]
+    random.Random(seed).shuffle(problems)
+    if len(problems) < 3 * eval_problems:
+        raise ValueError(f"max_operand={max_operand} gives {len(problems)} problems, fewer than 3 × {eval_problems}")
+    return {"test": problems[:eval_problems], "validation": problems[eval_problems: 2 * eval_problems],
+            "train": problems[2 * eval_problems:]}
+
+
+def write_splits(splits: dict, folder: Path) -> dict[str, str]:
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for name, rows in splits.items():
+        path = folder / f"{name}.jsonl"
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        paths[name] = str(path)
+    return paths
+
+
+def load_split(path: str):
+    from oblr_trl.tasks import ARITHMETIC_TEMPLATE, TaskOptions, load_task
+
+    return load_task("local", options=TaskOptions(path=path, prompt_template=ARITHMETIC_TEMPLATE))
+
+
 def run_child(spec: dict) -> dict:
-    from transformers import TrainerCallback
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from oblr_trl.evaluation import generate_completions, grade
-    from oblr_trl.tasks import TaskOptions, load_task
+    from oblr_trl.models import resolve_model
 
-    preset = PRESETS[spec["preset"]]
-    options = TaskOptions(**preset["task_options"])
-    train = load_task(preset["task"], "train", options)
-    held_out = load_task(preset["task"], "test", TaskOptions(**{**preset["task_options"], "limit": spec["eval_problems"]}))
-    common = dict(output_dir=spec["output_dir"], max_steps=spec["steps"], logging_steps=1, save_strategy="no",
-                  report_to=[], seed=spec["seed"], data_seed=spec["seed"], **spec["config"])
-    accuracy = []
-
-    class HeldOut(TrainerCallback):
-        def evaluate(self, model, tokenizer, step):
-            was_training = model.training
-            model.eval()
-            completions = generate_completions(model, tokenizer, list(held_out["prompt"]),
-                                               max_new_tokens=preset["eval_max_new_tokens"], progress=False)
-            accuracy.append({"step": step, "accuracy": grade(held_out, completions)[1]})
-            model.train(was_training)
-
-        def on_train_begin(self, args, state, control, model=None, processing_class=None, **kwargs):
-            self.evaluate(model, processing_class, 0)
-
-        def on_step_end(self, args, state, control, model=None, processing_class=None, **kwargs):
-            if state.global_step % spec["eval_every"] == 0 or state.global_step == spec["steps"]:
-                self.evaluate(model, processing_class, state.global_step)
-
-    start, started_at = time.perf_counter(), time.time()
-    trainer = build_trainer(spec["model"], METHODS[spec["method"]], common, preset["peft"], train, callbacks=[HeldOut()])
-    trainer.train()
-    logs = [h for h in trainer.state.log_history if "loss" in h]
-    return {"method": spec["method"], "seed": spec["seed"], "seconds": time.perf_counter() - start,
-            "started_at": started_at, "finished_at": time.time(), "learning_rate": trainer.args.learning_rate,
-            "reward": [h["reward"] for h in logs], "lr_factor": [h.get("snr/lr_factor", 1.0) for h in logs],
-            "accuracy": accuracy}
+    held_out = load_split(spec["held_out"])
+    output_dir = Path(spec["scratch"]) / run_key(spec)
+    start = time.perf_counter()
+    if spec["method"] == "initial":  # the untrained model: the same for every run, measured once per split
+        path = resolve_model(spec["model"])
+        model, tokenizer = AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+        torch.set_num_threads(spec["threads"])
+    else:
+        overrides = METHODS[spec["method"].replace(CONTROL, "oblrpo-no-snr")]
+        config = dict(output_dir=str(output_dir), max_steps=spec["steps"], logging_steps=1, save_strategy="no",
+                      report_to=[], seed=spec["seed"], data_seed=spec["seed"], disable_tqdm=True,
+                      **{**spec["config"], "learning_rate": spec["learning_rate"]})
+        trainer = build_trainer(spec["model"], overrides, config, None, load_split(spec["train"]))
+        torch.set_num_threads(spec["threads"])
+        trainer.train()
+        model, tokenizer = trainer.model, trainer.processing_class
+    model.eval()
+    completions = generate_completions(model, tokenizer, list(held_out["prompt"]),
+                                       max_new_tokens=spec["eval_max_new_tokens"], progress=False)
+    result = {key: spec[key] for key in ("method", "seed", "learning_rate", "split")}
+    result.update(accuracy=grade(held_out, completions)[1], seconds=time.perf_counter() - start)
+    if spec["method"] != "initial":
+        logs = [h for h in trainer.state.log_history if "loss" in h]
+        result["reward"] = [h["reward"] for h in logs]
+        result["traces"] = {key: [math.nan if h.get(key) is None else h[key] for h in logs] for key in TRACES}
+        result["max_grad_norm"] = trainer.args.max_grad_norm
+    return result
 
 
-def moving_average(values, window=5):
-    return [statistics.mean(values[max(0, i - window + 1): i + 1]) for i in range(len(values))]
+def run_key(spec: dict) -> str:
+    return f"{spec['split']}-{spec['method']}-lr{spec['learning_rate']:.3g}-seed{spec['seed']}"
 
 
-def summarise(runs, methods, target):
-    rows = []
+def run_all(specs: list[dict], folder: Path, description: str, jobs: int) -> list[dict]:
+    """Each spec's result, from ``folder`` where an earlier invocation left it, else from a fresh run."""
+    folder.mkdir(parents=True, exist_ok=True)
+    cached = {run_key(s): folder / f"{run_key(s)}.json" for s in specs}
+    todo = [s for s in specs if not cached[run_key(s)].exists()]
+    run_in_subprocesses(__file__, todo, description, jobs=jobs,
+                        on_result=lambda spec, result: cached[run_key(spec)].write_text(json.dumps(result)))
+    return [json.loads(cached[run_key(s)].read_text()) for s in specs]
+
+
+def auc(run: dict) -> float:
+    """Reward area under the curve: the mean training reward over the run's steps."""
+    return statistics.fmean(run["reward"])
+
+
+def bootstrap_ci(values: list[float], resamples: int, seed: int = 0) -> list[float]:
+    """Percentile 95 % interval of the mean of ``values`` (paired differences, for a comparison)."""
+    rng = random.Random(seed)
+    means = sorted(statistics.fmean(rng.choices(values, k=len(values))) for _ in range(resamples))
+    return [means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1]]
+
+
+def after_calibration(run: dict, skip: int) -> list[float]:
+    return [f for f in run["traces"]["snr/lr_factor"][skip:] if not math.isnan(f)] or [1.0]
+
+
+def summarise(sweep, test, methods, rates, best, resamples, skip):
+    by_method = {m: sorted((r for r in test if r["method"] == m), key=lambda r: r["seed"]) for m in methods}
+    reference = {r["seed"]: r for r in by_method[REFERENCE]} if REFERENCE in by_method else {}
+    summary = {}
+    for method, runs in by_method.items():
+        aucs, finals = [auc(r) for r in runs], [r["accuracy"] for r in runs]
+        factors = [f for r in runs for f in r["traces"]["snr/lr_factor"] if not math.isnan(f)] or [1.0]
+        calibrated = [f for r in runs for f in after_calibration(r, skip)]
+        clipped = [g > r["max_grad_norm"] for r in runs for g in r["traces"]["grad_norm"] if not math.isnan(g)]
+        entry = {
+            "best_lr": runs[0]["learning_rate"], "seeds": [r["seed"] for r in runs],
+            "auc_mean": statistics.fmean(aucs), "auc_ci": bootstrap_ci(aucs, resamples),
+            "final_acc_mean": statistics.fmean(finals), "final_acc_ci": bootstrap_ci(finals, resamples),
+            "final_acc_per_seed": finals, "auc_per_seed": aucs,
+            "mean_lr_factor": statistics.fmean(factors), "mean_lr_factor_after_calibration": statistics.fmean(calibrated),
+            "lr_factor_range": [min(factors), max(factors)],
+            "clipped_fraction": statistics.fmean(clipped) if clipped else 0.0,
+            "minutes_per_run": statistics.fmean(r["seconds"] for r in runs) / 60,
+        }
+        if reference and method != REFERENCE:
+            paired = [r for r in runs if r["seed"] in reference]
+            auc_diff = [auc(r) - auc(reference[r["seed"]]) for r in paired]
+            acc_diff = [r["accuracy"] - reference[r["seed"]]["accuracy"] for r in paired]
+            entry.update(auc_diff_vs_grpo=statistics.fmean(auc_diff), auc_diff_vs_grpo_ci=bootstrap_ci(auc_diff, resamples),
+                         final_acc_diff_vs_grpo=statistics.fmean(acc_diff),
+                         final_acc_diff_vs_grpo_ci=bootstrap_ci(acc_diff, resamples))
+        if method in best:
+            entry["sweep"] = {f"{lr:.3g}": {"validation_acc": statistics.fmean(r["accuracy"] for r in sweep
+                                                                               if r["method"] == method and r["learning_rate"] == lr),
+                                             "validation_auc": statistics.fmean(auc(r) for r in sweep
+                                                                                if r["method"] == method and r["learning_rate"] == lr)}
+                              for lr in rates}
+        summary[method] = entry
+    return summary
+
+
+def choose_rates(sweep: list[dict], methods: list[str], rates: list[float]) -> dict[str, float]:
+    best = {}
     for method in methods:
-        results = [r for r in runs if r["method"] == method]
-        final = [r["accuracy"][-1]["accuracy"] for r in results]
-        initial = [r["accuracy"][0]["accuracy"] for r in results]
-        last_rewards = [statistics.mean(r["reward"][-5:]) for r in results]
-        reach = []
-        for r in results:
-            smoothed = moving_average(r["reward"])
-            reach.append(next((i + 1 for i, v in enumerate(smoothed) if v >= target), None))
-        reached = [s for s in reach if s is not None]
-        rows.append({
-            "method": method,
-            "held_out_accuracy_start": statistics.mean(initial),
-            "held_out_accuracy_final": statistics.mean(final),
-            "final_accuracy_seed_std": statistics.stdev(final) if len(final) > 1 else 0.0,
-            "final_accuracy_per_seed": final,
-            "reward_last5_mean": statistics.mean(last_rewards),
-            "reward_last5_seed_std": statistics.stdev(last_rewards) if len(last_rewards) > 1 else 0.0,
-            "steps_to_target": statistics.median(reached) if reached else None,
-            "seeds_reaching_target": f"{len(reached)}/{len(reach)}",
-            "mean_lr_factor": statistics.mean(f for r in results for f in r["lr_factor"]),
-            "minutes_per_run": statistics.mean(r["seconds"] for r in results) / 60,
-        })
-    return rows
+        def score(lr):
+            runs = [r for r in sweep if r["method"] == method and r["learning_rate"] == lr]
+            return statistics.fmean(r["accuracy"] for r in runs), statistics.fmean(auc(r) for r in runs)
+
+        best[method] = max(rates, key=score)
+    return best
 
 
-def plot(runs, methods, output_dir, name):
-    figure, axes = new_figure(2, (14, 5))
+def plot(test, methods, output_dir, name):
+    panels = [("reward", "training reward (5-step moving average)"), ("snr/effective_lr", "effective learning rate"),
+              ("snr/lr_factor", "SNR factor f_t / f_ref (OBLR-PO)"), ("grad_norm", "gradient norm (before clipping)"),
+              ("snr/bound_factor", "f_t = N·SNR / (1 + N·SNR)"), ("snr/trace_cov_ema", "noise estimate tr Σ (EMA)")]
+    figure, axes = new_figure(len(panels), (5 * len(panels), 4.2))
     for method in methods:
-        results = [r for r in runs if r["method"] == method]
-        curves = [moving_average(r["reward"]) for r in results]
-        length = min(len(c) for c in curves)
-        mean = [statistics.mean(c[i] for c in curves) for i in range(length)]
-        low = [min(c[i] for c in curves) for i in range(length)]
-        high = [max(c[i] for c in curves) for i in range(length)]
-        steps = list(range(1, length + 1))
-        (line,) = axes[0].plot(steps, mean, label=method)
-        axes[0].fill_between(steps, low, high, color=line.get_color(), alpha=0.15)
-        eval_steps = [p["step"] for p in results[0]["accuracy"]]
-        acc = [[r["accuracy"][k]["accuracy"] for r in results] for k in range(len(eval_steps))]
-        axes[1].errorbar(eval_steps, [statistics.mean(a) for a in acc],
-                         yerr=[[statistics.mean(a) - min(a) for a in acc], [max(a) - statistics.mean(a) for a in acc]],
-                         label=method, capsize=3, marker="o", color=line.get_color())
-    axes[0].set_title("training reward (5-step moving average; mean, band = min–max over seeds)")
-    axes[1].set_title("held-out greedy accuracy (mean, bars = min–max over seeds)")
+        runs = [r for r in test if r["method"] == method]
+        for axis, (key, title) in zip(axes, panels):
+            if key == "snr/effective_lr" and method == REFERENCE:
+                curves = [r["traces"]["learning_rate"] for r in runs]
+            else:
+                curves = [r["reward"] if key == "reward" else r["traces"][key] for r in runs]
+            if all(math.isnan(v) for c in curves for v in c):
+                continue
+            if key == "reward":
+                curves = [[statistics.fmean(c[max(0, i - 4): i + 1]) for i in range(len(c))] for c in curves]
+            steps = list(range(1, len(curves[0]) + 1))
+            mean = [statistics.fmean(v for v in column if not math.isnan(v)) if any(not math.isnan(v) for v in column)
+                    else math.nan for column in zip(*curves)]
+            axis.plot(steps, mean, label=method)
+            axis.set_title(title, fontsize=9)
+            axis.set_xlabel("optimizer step")
     for axis in axes:
-        axis.set_xlabel("optimizer step")
         axis.grid(alpha=0.3)
-        axis.legend()
+        if axis.has_data():
+            axis.legend(fontsize=8)
     return save_figure(figure, output_dir, name)
+
+
+def ci(values) -> str:
+    return f"[{values[0]:+.3f}, {values[1]:+.3f}]"
 
 
 def main(argv=None):
@@ -205,43 +297,69 @@ def main(argv=None):
     if args.child:
         return child_main(run_child, args.child)
     preset = PRESETS[args.preset]
-    overrides = parse_overrides(args.overrides)
-    config = {**preset["config"], **overrides}
+    config = {**preset["config"], **parse_overrides(args.overrides)}
+    rates = args.rates or preset["rates"]
     steps = args.steps or preset["steps"]
-    eval_every = args.eval_every or preset["eval_every"]
     eval_problems = args.eval_problems or preset["eval_problems"]
-    target_reward = args.target_reward if args.target_reward is not None else preset["target_reward"]
-    output_dir = Path(args.output_dir)
-    specs = [
-        {"preset": args.preset, "model": args.model or preset["model"], "config": config, "method": method, "seed": seed,
-         "steps": steps, "eval_every": eval_every, "eval_problems": eval_problems,
-         "output_dir": str(output_dir / "runs" / f"{method}-{seed}")}
-        for seed in args.seeds for method in args.methods
-    ]
-    runs = run_in_subprocesses(__file__, specs, "learning runs", jobs=args.jobs)
-    rows = summarise(runs, args.methods, target_reward)
-    figure = plot(runs, args.methods, output_dir, args.name)
+    jobs = args.jobs or preset["jobs"]
+    validation_seeds, test_seeds = args.validation_seeds or preset["validation_seeds"], args.test_seeds or preset["test_seeds"]
+    output_dir = Path(args.output_dir or RESULTS / f"learning_{args.preset}")
+    paths = write_splits(problem_splits(preset["max_operand"], eval_problems), output_dir / "data")
+    model = args.model or preset["model"]
+    base = {"model": model, "config": config, "steps": steps, "train": paths["train"], "threads": max(1, (os.cpu_count() or 1) // jobs),
+            "eval_max_new_tokens": preset["eval_max_new_tokens"]}
+    runs_dir = output_dir / "runs"
+    base["scratch"] = str(Path(tempfile.gettempdir()) / "oblr-trl-learning")  # the runs save nothing there
+
+    initial = run_all([{**base, "method": "initial", "seed": 0, "learning_rate": 0.0, "split": split,
+                        "held_out": paths[split]} for split in ("validation", "test")], runs_dir, "untrained model", jobs)
+    sweep = run_all([{**base, "method": m, "seed": s, "learning_rate": lr, "split": "validation", "held_out": paths["validation"]}
+                     for s in validation_seeds for lr in rates for m in args.methods], runs_dir, "rate sweep (validation)", jobs)
+    best = choose_rates(sweep, args.methods, rates)
+    test = run_all([{**base, "method": m, "seed": s, "learning_rate": best[m], "split": "test", "held_out": paths["test"]}
+                    for s in test_seeds for m in args.methods], runs_dir, "test seeds", jobs)
+    methods = list(args.methods)
+    if "oblrpo" in best:
+        realised = statistics.fmean(f for r in test if r["method"] == "oblrpo"
+                                    for f in r["traces"]["snr/lr_factor"] if not math.isnan(f))
+        test += run_all([{**base, "method": CONTROL, "seed": s, "learning_rate": best["oblrpo"] * realised, "split": "test",
+                          "held_out": paths["test"]} for s in test_seeds], runs_dir, "constant-rate control", jobs)
+        methods.append(CONTROL)
+
+    from oblr_trl import OBLRPOConfig
+
+    skip = config["warmup_steps"] + OBLRPOConfig(output_dir="/tmp", use_cpu=True, bf16=False).resolved_snr_calibration_steps
+    summary = summarise(sweep, test, methods, rates, best, args.bootstrap, skip)
+    figure = plot(test, methods, output_dir, "summary")
+    start = {r["split"]: r["accuracy"] for r in initial}
     markdown = (
-        f"# Learning curves ({args.preset} preset)\n\n![learning]({figure.name})\n\n"
-        f"`{args.model or preset['model']}` on {preset['task']} {preset['task_options'] or ''}; {steps} optimizer steps "
-        f"of {config['per_device_train_batch_size'] * config['gradient_accumulation_steps']} "
-        f"completions (groups of {config['num_generations']}, at most {config['max_completion_length']} tokens); "
-        f"scheduled learning rate {config['learning_rate']} for every method; seeds {args.seeds}; held-out greedy "
-        f"accuracy on {eval_problems} unseen problems every {eval_every} steps; target reward {target_reward} "
-        "(5-step moving average)"
-        + (f"; preset overrides `{overrides}`" if overrides else "")
-        + (f"; {args.jobs} runs at a time" if args.jobs > 1 else "") + ".\n\n"
+        f"# Learning benchmark ({args.preset} preset)\n\n![curves]({figure.name})\n\n"
+        f"`{model}` on a ± b, operands 0…{preset['max_operand']}: {eval_problems} test and {eval_problems} validation "
+        f"problems, disjoint from each other and from the training problems; untrained accuracy {start['test']:.3f} "
+        f"(test), {start['validation']:.3f} (validation). {steps} optimizer steps of "
+        f"{config['per_device_train_batch_size'] * config['gradient_accumulation_steps']} completions (groups of "
+        f"{config['num_generations']}, ≤ {config['max_completion_length']} tokens), `{config['loss_type']}` loss, β = "
+        f"{config['beta']}, AdamW, max_grad_norm {config['max_grad_norm']}, {config['lr_scheduler_type']} with "
+        f"{config['warmup_steps']} warm-up steps. Rates {rates} swept on validation seeds {validation_seeds}; test seeds "
+        f"{test_seeds}, paired; `{CONTROL}`: OBLR-PO's baseline at the default's realised mean effective rate. "
+        f"AUC = mean training reward over the run. Intervals: bootstrap 95 % over seeds; differences paired with `grpo`. "
+        f"The SNR factor after calibration counts steps > {skip} (warm-up + calibration window).\n\n"
         + markdown_table(
-            ["method", "held-out acc. start", "held-out acc. final", "± seed std", "per seed", "reward (last 5)",
-             "± seed std", "steps to target", "seeds reaching", "mean f_t", "min / run"],
-            [[r["method"], r["held_out_accuracy_start"], r["held_out_accuracy_final"], r["final_accuracy_seed_std"],
-              ", ".join(f"{a:.2f}" for a in r["final_accuracy_per_seed"]), r["reward_last5_mean"],
-              r["reward_last5_seed_std"], r["steps_to_target"] if r["steps_to_target"] is not None else "—",
-              r["seeds_reaching_target"], r["mean_lr_factor"], r["minutes_per_run"]] for r in rows],
+            ["method", "best lr", "AUC", "AUC − grpo [95 % CI]", "final acc.", "[95 % CI]", "final − grpo [95 % CI]",
+             "mean f factor", "after calibration", "clipped steps", "min / run"],
+            [[m, s["best_lr"], s["auc_mean"], f"{s['auc_diff_vs_grpo']:+.4f} {ci(s['auc_diff_vs_grpo_ci'])}" if "auc_diff_vs_grpo" in s else "—",
+              s["final_acc_mean"], ci(s["final_acc_ci"]),
+              f"{s['final_acc_diff_vs_grpo']:+.3f} {ci(s['final_acc_diff_vs_grpo_ci'])}" if "final_acc_diff_vs_grpo" in s else "—",
+              s["mean_lr_factor"], s["mean_lr_factor_after_calibration"], s["clipped_fraction"], s["minutes_per_run"]]
+             for m, s in summary.items()],
         )
+        + "\n\n### Rate sweep (validation accuracy / reward AUC)\n\n"
+        + markdown_table(["method", *[f"{lr:.3g}" for lr in rates]],
+                         [[m, *[f"{s['sweep'][f'{lr:.3g}']['validation_acc']:.3f} / {s['sweep'][f'{lr:.3g}']['validation_auc']:.3f}"
+                                for lr in rates]] for m, s in summary.items() if "sweep" in s])
     )
-    write_results(output_dir, args.name, {"arguments": vars(args), "target_reward": target_reward, "summary": rows,
-                                          "runs": runs}, markdown)
+    write_results(output_dir, "summary", {"arguments": vars(args), "preset": preset, "initial_accuracy": start,
+                                          "methods": summary, "runs": {"sweep": sweep, "test": test}}, markdown)
     print(markdown)
     return 0
 
