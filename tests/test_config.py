@@ -46,6 +46,45 @@ def test_bad_values_name_field_and_allowed_values(tmp_path, field, value, allowe
     assert f"`{field}`" in message and repr(value) in message and allowed in message
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "allowed"),
+    [
+        ("learning_rate", -1.0, "a finite float >= 0"),
+        ("learning_rate", float("nan"), "a finite float >= 0"),
+        ("weight_decay", -0.1, "a finite float >= 0"),
+        ("adam_beta1", 1.0, "[0, 1)"),
+        ("adam_beta2", -0.5, "[0, 1)"),
+        ("adam_epsilon", -1e-8, "a finite float >= 0"),
+        ("warmup_steps", -5, "a number >= 0"),
+        ("max_steps", 0, "-1 (train num_train_epochs) or an integer >= 1"),
+        ("num_train_epochs", 0.0, "a finite float > 0"),
+        ("per_device_train_batch_size", 0, "an integer >= 1"),
+        ("gradient_accumulation_steps", 0, "an integer >= 1"),
+        ("max_completion_length", 0, "an integer >= 1"),
+        ("temperature", 0.0, "a finite float > 0"),
+        ("top_p", 1.5, "(0, 1]"),
+        ("beta", -0.01, "a finite float >= 0"),
+    ],
+)
+def test_trainer_values_torch_would_refuse_after_the_model_loads_are_refused_first(tmp_path, field, value, allowed):
+    with pytest.raises(ValueError) as error:
+        make(tmp_path, **{field: value})
+    message = str(error.value)
+    assert f"`{field}`" in message and repr(value) in message and allowed in message
+
+
+def test_gradient_checkpointing_keeps_trls_default_and_its_alias_without_a_deprecation_warning(tmp_path):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        assert make(tmp_path).gradient_checkpointing is True  # GRPOConfig's default
+        for value in (False, True):
+            config = make(tmp_path, gradient_checkpointing=value)
+            assert config.gradient_checkpointing is value and config.activation_checkpointing is value
+            assert make(tmp_path, activation_checkpointing=value).gradient_checkpointing is value
+
+
 def test_one_observable_batch_size_is_refused_for_two_batch(tmp_path):
     """With one process and gradient_accumulation_steps=1 the two-batch estimator cannot measure anything: the
     configuration is refused (no silent no-op) and the message lists the ways out."""
