@@ -252,9 +252,6 @@ def train(argv: list[str]) -> int:
     warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
     with reported_as_usage_errors():
         task_args, training_args, model_args, recipe = parse_train_args(argv)
-        if training_args.process_index == 0:
-            prepare_output_dir(training_args.output_dir, task_args.overwrite_output_dir,
-                               training_args.resume_from_checkpoint is not None)
         from . import models
         from .rewards import get_reward_funcs
         from .tasks import load_task, task_source
@@ -263,6 +260,9 @@ def train(argv: list[str]) -> int:
         models.check_model_available(model_name)
         reward_funcs = get_reward_funcs(task_args.reward_funcs)
         train_dataset = load_task(task_args.task, "train", task_args.options())
+        if training_args.process_index == 0:  # last: a mistake found above leaves an earlier run untouched
+            prepare_output_dir(training_args.output_dir, task_args.overwrite_output_dir,
+                               training_args.resume_from_checkpoint is not None)
 
         from trl import get_peft_config
 

@@ -361,3 +361,10 @@ def test_the_progress_bar_shows_reward_accuracy_factor_and_the_rate_used():
             "snr/effective_lr": 3.75e-5, "learning_rate": 3e-5, "snr/snr": 0.01, "completions/mean_length": 9.0}
     assert summary(logs) == {"reward": "0.500", "acc": "0.625", "f": "1.250", "lr": "3.75e-05"}
     assert summary({"loss": 0.1, "reward": 0.5, "learning_rate": 3e-5}) == {"reward": "0.500", "lr": "3.00e-05"}  # GRPO
+
+
+def test_a_mistake_leaves_the_run_it_would_overwrite_untouched(tmp_path, no_model_load):
+    run = tmp_path / "run"
+    (run / "checkpoint-60").mkdir(parents=True)
+    assert main(["train", "--output_dir", str(run), "--overwrite_output_dir", "true", "--task", "nosuchtask"]) == 2
+    assert (run / "checkpoint-60").exists()
