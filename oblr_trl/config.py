@@ -39,7 +39,7 @@ TRAINER_VALUE_RULES = (
 
 
 @dataclass
-class OBLRPOConfig(GRPOConfig, OBLRPOOptions):
+class OBLRPOConfig(OBLRPOOptions, GRPOConfig):  # this base order keeps GRPOConfig's fields first: OBLRPOConfig("out")
     r"""
     Configuration class for [`OBLRPOTrainer`]: every [`~trl.GRPOConfig`] parameter, plus the ones below.
 

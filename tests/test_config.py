@@ -85,6 +85,14 @@ def test_gradient_checkpointing_keeps_trls_default_and_its_alias_without_a_depre
             assert make(tmp_path, activation_checkpointing=value).gradient_checkpointing is value
 
 
+def test_fields_keep_grpo_configs_order_so_positional_output_dir_works(tmp_path):
+    from dataclasses import fields
+
+    grpo = [f.name for f in fields(GRPOConfig)]
+    assert [f.name for f in fields(OBLRPOConfig)][: len(grpo)] == grpo
+    assert OBLRPOConfig(str(tmp_path / "out"), bf16=False).output_dir == str(tmp_path / "out")
+
+
 def test_one_observable_batch_size_is_refused_for_two_batch(tmp_path):
     """With one process and gradient_accumulation_steps=1 the two-batch estimator cannot measure anything: the
     configuration is refused (no silent no-op) and the message lists the ways out."""

@@ -317,9 +317,11 @@ def test_cross_step_estimate_is_the_inner_product_of_consecutive_step_gradients(
     for step in range(1, 4):
         current, previous = recorder.gradients[step], recorder.gradients[step - 1]
         dot = torch.dot(current, previous).item()
-        assert logged[step]["snr/grad_sq_norm"] == pytest.approx(dot, rel=1e-4, abs=1e-12)
+        # float32 round-off of an inner product scales with ‖G_t‖·‖G_{t−1}‖, not with the (possibly cancelling) result
+        scale = 1e-4 * (current.norm() * previous.norm()).item()
+        assert logged[step]["snr/grad_sq_norm"] == pytest.approx(dot, abs=scale)
         expected_trace = groups * (current.pow(2).sum().item() - dot)
-        assert logged[step]["snr/trace_cov"] == pytest.approx(expected_trace, rel=1e-4)
+        assert logged[step]["snr/trace_cov"] == pytest.approx(expected_trace, rel=1e-4, abs=groups * scale)
 
 
 def test_cross_step_does_not_pair_steps_that_share_a_generation_batch(make_trainer):
