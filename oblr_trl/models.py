@@ -95,7 +95,7 @@ def check_model_available(name_or_path: str) -> None:
     except RepositoryNotFoundError as error:
         raise ValueError(
             f"Invalid value for `model_name_or_path`: no model {name_or_path!r} on the Hub (check the spelling; a private "
-            "model needs `hf auth login`)."
+            "model needs `hf auth login`), and no local folder of that name."
         ) from error
     except GatedRepoError as error:
         raise ValueError(f"{name_or_path!r} is gated on the Hub: accept its terms there and run `hf auth login`.") from error
