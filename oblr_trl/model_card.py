@@ -29,11 +29,10 @@ class ModelCardFacts:
     settings: dict[str, str]
     log_history: list[dict]
     tags: list[str]
-    citation: str
+    paper: dict[str, str]  # title, arXiv id and BibTeX citation of OBLR-PO
     curves: str | None = None  # file name of the training curves next to the card
-    tracker_url: str | None = None
+    tracker_urls: list[str] = field(default_factory=list)
     recipe: str | None = None
-    paper: dict[str, str] = field(default_factory=dict)
 
 
 def _version(package: str) -> str:
@@ -92,7 +91,7 @@ def model_card_text(facts: ModelCardFacts) -> str:
         'messages = [{"role": "user", "content": "What is 7 + 5? Answer with just the number."}]',
         'print(generator(messages, max_new_tokens=64, return_full_text=False)[0]["generated_text"])', "```", "",
         "## Training procedure", "",
-        f"Trained with OBLR-PO ([{facts.paper.get('title', 'OBLR-PO')}](https://huggingface.co/papers/{facts.paper.get('id', '2511.23310')})): "
+        f"Trained with OBLR-PO ([{facts.paper['title']}](https://huggingface.co/papers/{facts.paper['id']})): "
         "GRPO's policy gradient with the variance-optimal, gradient-weighted baseline and a learning rate scaled by the "
         "measured gradient signal-to-noise ratio.", "",
         "| setting | value |", "|---|---|",
@@ -104,12 +103,12 @@ def model_card_text(facts: ModelCardFacts) -> str:
                   *[f"| {name} | {value} |" for name, value in metrics], ""]
     if facts.curves:
         lines += [f"![training curves]({facts.curves})", ""]
-    if facts.tracker_url:
-        lines += [f"Run tracked at {facts.tracker_url}.", ""]
+    if facts.tracker_urls:
+        lines += [f"Run tracked at {', '.join(facts.tracker_urls)}.", ""]
     lines += [
         "### Framework versions", "",
         *[f"- {package}: {_version(package)}" for package in ("oblr-trl", "trl", "transformers", "torch", "datasets")], "",
-        "## Citations", "", "Cite OBLR-PO as:", "", "```bibtex", facts.citation, "```", "",
+        "## Citations", "", "Cite OBLR-PO as:", "", "```bibtex", facts.paper["citation"], "```", "",
         "Cite TRL as:", "", "```bibtex",
         "@software{vonwerra2020trl,\n  title  = {{TRL: Transformers Reinforcement Learning}},\n"
         "  author = {von Werra, Leandro and others},\n  url    = {https://github.com/huggingface/trl},\n  year   = {2020}\n}",

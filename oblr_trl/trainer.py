@@ -805,9 +805,8 @@ class OBLRPOTrainer(GRPOTrainer):
             settings=self._model_card_settings(),
             log_history=self.state.log_history,
             tags=sorted({*self._tag_names, *tags}),
-            citation=self._paper["citation"],
             curves=curves.name if curves.exists() else None,
-            tracker_url=_tracker_url(),
+            tracker_urls=_tracker_urls(),
             recipe=self.recipe,
             paper=self._paper,
         )
@@ -897,8 +896,10 @@ def _plain(value) -> str:
     return str(getattr(value, "value", value))
 
 
-def _tracker_url() -> str | None:
-    """The Weights & Biases run of this process, if one is open (wandb is never imported for this)."""
-    wandb = sys.modules.get("wandb")
-    run = getattr(wandb, "run", None)
-    return getattr(run, "url", None)
+def _tracker_urls() -> list[str]:
+    """Where this run is tracked (Weights & Biases, Trackio, Comet), found the way TRL's own model card finds them."""
+    from trl.trainer.utils import get_comet_experiment_url, get_trackio_space_url
+
+    wandb = sys.modules.get("wandb")  # open runs only: never imported for this
+    urls = [getattr(getattr(wandb, "run", None), "url", None), get_trackio_space_url(), get_comet_experiment_url()]
+    return [url for url in urls if url]

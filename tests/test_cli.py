@@ -122,7 +122,7 @@ def test_model_card_of_a_local_model_on_a_hub_dataset():
         model_name="run", base_model=None, base_model_path="/models/mine", hub_model_id="me/run", output_dir="out",
         dataset_id="openai/gsm8k", dataset_description=None, settings={"learning rate": "1e-06"},
         log_history=[{"reward": 0.2, "step": 1}, {"reward": 0.6, "step": 2}, {"train_runtime": 12.0, "step": 2}],
-        tags=["oblr-po", "trl"], citation="@article{x}",
+        tags=["oblr-po", "trl"], paper={"title": "OBLR-PO", "id": "2511.23310", "citation": "@article{x}"},
     )
     card = model_card_text(facts)
     assert "fine-tuned version of the local model `/models/mine`, trained with OBLR-PO" in card
