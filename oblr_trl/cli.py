@@ -340,7 +340,7 @@ def evaluate_command(args: argparse.Namespace) -> int:
     with reported_as_usage_errors():  # everything evaluate() would refuse, before the model loads
         check_sampling(args.n, args.temperature, args.backend)
         check_model_available(args.model)
-        load_task(args.task, "test", task_options(args))
+        problems = load_task(args.task, "test", task_options(args))
     result = evaluate(
         args.model,
         args.task,
@@ -352,6 +352,7 @@ def evaluate_command(args: argparse.Namespace) -> int:
         backend=args.backend,
         seed=args.seed,
         options=task_options(args),
+        dataset=problems,
     )
     output_dir = args.output_dir or eval_output_dir(args.model)
     json_path, md_path = write_eval_report(result, output_dir)

@@ -57,12 +57,16 @@ def evaluate(
     seed: int = 0,
     options: TaskOptions | None = None,
     progress: bool = True,
+    dataset=None,
 ) -> EvalResult:
-    """Sample ``n`` completions per problem of the task's test split (greedy when ``temperature`` is 0) and grade them."""
+    """Sample ``n`` completions per problem of the task's test split (greedy when ``temperature`` is 0) and grade them.
+    ``dataset``: that split already loaded with ``load_task`` (the CLI loads it first, to report a bad task before any
+    model loads)."""
     from .models import resolve_model
 
     check_sampling(n, temperature, backend)
-    dataset = load_task(task, "test", options)
+    if dataset is None:
+        dataset = load_task(task, "test", options)
     path = resolve_model(model)
     if backend == "auto":
         backend = "vllm" if _vllm_usable() else "transformers"

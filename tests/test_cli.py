@@ -141,7 +141,7 @@ def test_eval_results_of_non_local_models_go_to_a_folder_per_model():
 
 def test_eval_sampling_reports_pass_at_n(tmp_path, saved_tiny_model):
     from oblr_trl.evaluation import evaluate
-    from oblr_trl.tasks import TaskOptions
+    from oblr_trl.tasks import TaskOptions, load_task
 
     result = evaluate(str(saved_tiny_model), "arithmetic", n=3, temperature=1.0, max_new_tokens=3,
                       options=TaskOptions(limit=5), progress=False)
@@ -149,6 +149,8 @@ def test_eval_sampling_reports_pass_at_n(tmp_path, saved_tiny_model):
     assert result.pass_at_1 <= result.pass_at_n
     with pytest.raises(ValueError, match="`n`"):
         evaluate(str(saved_tiny_model), "arithmetic", n=2, temperature=0.0)
+    loaded = load_task("arithmetic", "test", TaskOptions(limit=2))  # the CLI passes the split it checked
+    assert evaluate(str(saved_tiny_model), "arithmetic", max_new_tokens=2, dataset=loaded, progress=False).num_problems == 2
 
 
 def test_tasks_command_lists_every_task(capsys):
