@@ -119,6 +119,17 @@ def run_in_subprocesses(script: str, specs: list[dict], description: str, jobs: 
     return [future.result() for future in futures]
 
 
+def bootstrap_ci(values, draws: int = 4000, seed: int = 0) -> list[float]:
+    """95 % percentile interval of the mean of ``values`` (one per seed; paired differences for a comparison)."""
+    import torch
+
+    values = torch.as_tensor(values)
+    generator = torch.Generator().manual_seed(seed)
+    index = torch.randint(0, len(values), (draws, len(values)), generator=generator)
+    means = values[index].mean(1)
+    return [float(means.quantile(0.025)), float(means.quantile(0.975))]
+
+
 def parse_overrides(items: list[str]) -> dict:
     """``--set FIELD=VALUE`` options as a dict of config overrides, each value read as YAML (``false``, ``[1, 2]``).
 

@@ -47,6 +47,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     RESULTS,
+    bootstrap_ci,
     build_trainer,
     child_main,
     markdown_table,
@@ -201,13 +202,6 @@ def auc(run: dict) -> float:
     return statistics.fmean(run["reward"])
 
 
-def bootstrap_ci(values: list[float], resamples: int, seed: int = 0) -> list[float]:
-    """Percentile 95 % interval of the mean of ``values`` (paired differences, for a comparison)."""
-    rng = random.Random(seed)
-    means = sorted(statistics.fmean(rng.choices(values, k=len(values))) for _ in range(resamples))
-    return [means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1]]
-
-
 def after_calibration(run: dict, skip: int) -> list[float]:
     return [f for f in run["traces"]["snr/lr_factor"][skip:] if not math.isnan(f)] or [1.0]
 
@@ -239,24 +233,21 @@ def summarise(sweep, test, methods, rates, best, resamples, skip):
                          final_acc_diff_vs_grpo=statistics.fmean(acc_diff),
                          final_acc_diff_vs_grpo_ci=bootstrap_ci(acc_diff, resamples))
         if method in best:
-            entry["sweep"] = {f"{lr:.3g}": {"validation_acc": statistics.fmean(r["accuracy"] for r in sweep
-                                                                               if r["method"] == method and r["learning_rate"] == lr),
-                                             "validation_auc": statistics.fmean(auc(r) for r in sweep
-                                                                                if r["method"] == method and r["learning_rate"] == lr)}
+            entry["sweep"] = {f"{lr:.3g}": dict(zip(("validation_acc", "validation_auc"), sweep_score(sweep, method, lr)))
                               for lr in rates}
         summary[method] = entry
     return summary
 
 
-def choose_rates(sweep: list[dict], methods: list[str], rates: list[float]) -> dict[str, float]:
-    best = {}
-    for method in methods:
-        def score(lr):
-            runs = [r for r in sweep if r["method"] == method and r["learning_rate"] == lr]
-            return statistics.fmean(r["accuracy"] for r in runs), statistics.fmean(auc(r) for r in runs)
+def sweep_score(sweep: list[dict], method: str, rate: float) -> tuple[float, float]:
+    """(mean final validation accuracy, mean reward AUC) of ``method`` at ``rate`` over the validation seeds."""
+    runs = [r for r in sweep if r["method"] == method and r["learning_rate"] == rate]
+    return statistics.fmean(r["accuracy"] for r in runs), statistics.fmean(auc(r) for r in runs)
 
-        best[method] = max(rates, key=score)
-    return best
+
+def choose_rates(sweep: list[dict], methods: list[str], rates: list[float]) -> dict[str, float]:
+    """Each method's best rate: highest validation accuracy, ties broken by reward AUC."""
+    return {method: max(rates, key=lambda rate: sweep_score(sweep, method, rate)) for method in methods}
 
 
 def plot(test, methods, output_dir, name):

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, markdown_table, new_figure, save_figure, write_results  # noqa: E402
+from common import RESULTS, bootstrap_ci, markdown_table, new_figure, save_figure, write_results  # noqa: E402
 
 from oblr_trl.advantages import gradient_weighted_advantages  # noqa: E402
 from oblr_trl.baselines import PooledSlope  # noqa: E402
@@ -197,14 +197,6 @@ def run(method: Method, lrs: torch.Tensor, seeds: list[int], task: Task, teacher
     }
 
 
-def bootstrap_ci(values: torch.Tensor, draws: int = 4000, seed: int = 0) -> tuple[float, float]:
-    """95 % percentile interval of the mean of ``values`` (paired differences, one per seed)."""
-    generator = torch.Generator().manual_seed(seed)
-    index = torch.randint(0, len(values), (draws, len(values)), generator=generator)
-    means = values[index].mean(1)
-    return float(means.quantile(0.025)), float(means.quantile(0.975))
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--validation_seeds", type=int, default=20)
@@ -257,13 +249,13 @@ def main(argv: list[str] | None = None) -> int:
             "description": (METHODS.get(name) or constant).description,
             "best_lr": best[name],
             "auc_mean": float(result["auc"].mean()),
-            "auc_ci": list(bootstrap_ci(result["auc"])),
+            "auc_ci": bootstrap_ci(result["auc"]),
             "final_acc_mean": float(result["final"].mean()),
-            "final_acc_ci": list(bootstrap_ci(result["final"])),
+            "final_acc_ci": bootstrap_ci(result["final"]),
             "auc_minus_grpo": float(auc_diff.mean()),
-            "auc_minus_grpo_ci": list(bootstrap_ci(auc_diff)),
+            "auc_minus_grpo_ci": bootstrap_ci(auc_diff),
             "final_minus_grpo": float(final_diff.mean()),
-            "final_minus_grpo_ci": list(bootstrap_ci(final_diff)),
+            "final_minus_grpo_ci": bootstrap_ci(final_diff),
             "mean_lr_factor": float(result["mean_factor"].mean()),
             "lr_factor_range": [float(result["factor_trace"].min()), float(result["factor_trace"].max())],
             "seeds": len(test),
