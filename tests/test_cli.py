@@ -370,3 +370,21 @@ def test_a_mistake_leaves_the_run_it_would_overwrite_untouched(tmp_path, no_mode
     (run / "checkpoint-60").mkdir(parents=True)
     assert main(["train", "--output_dir", str(run), "--overwrite_output_dir", "true", "--task", "nosuchtask"]) == 2
     assert (run / "checkpoint-60").exists()
+
+
+def test_help_all_lists_every_field(capsys):
+    assert main(["train", "--help-all"]) == 0
+    text = capsys.readouterr().out
+    assert all(f"--{name}" in text for name in ("gradient_accumulation_steps", "lora_r", "baseline_estimator", "task_path"))
+    assert len(text.splitlines()) > 500  # the short --help is ~110 lines
+
+
+def test_model_card_names_the_hub_id_a_local_folder_came_from(tmp_path):
+    from oblr_trl.models import model_card_id
+
+    (tmp_path / "config.json").write_text('{"_name_or_path": "Qwen/Qwen3-4B-Base"}')
+    assert model_card_id(str(tmp_path)) == "Qwen/Qwen3-4B-Base"
+    (tmp_path / "config.json").write_text(json.dumps({"_name_or_path": str(tmp_path)}))  # a path: no Hub id to name
+    assert model_card_id(str(tmp_path)) is None
+    assert model_card_id("builtin:smollm2-135m-instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert model_card_id("Qwen/Qwen3-8B-Base") == "Qwen/Qwen3-8B-Base"
