@@ -24,6 +24,7 @@ _PUBLIC = {
     "snr_lr_factor": "snr",
     "two_batch_noise_estimate": "snr",
     "OBLRPOTrainer": "trainer",
+    "TrainingPreempted": "guards",
     "length_weights": "weights",
     "log_sum_sq_probs": "weights",
     "logit_gradient_sq_norms": "weights",

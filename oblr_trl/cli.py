@@ -12,6 +12,7 @@ import argparse
 import difflib
 import os
 import re
+import signal
 import sys
 import textwrap
 import warnings
@@ -19,6 +20,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from importlib import resources
 from pathlib import Path
+
+from .model_card import counted
 
 __all__ = ["TaskArguments", "main", "make_train_parser"]
 
@@ -119,8 +122,8 @@ def make_train_parser():
     return TrainParser((TaskArguments, OBLRPOConfig, ModelConfig), prog="oblr-trl train", allow_abbrev=False)
 
 
-def parse_train_args(argv: list[str]):
-    """(task_args, training_args, model_args, recipe_text) from ``--config`` (or the quickstart) and flags."""
+def split_config(argv: list[str]) -> tuple[Path, list[str]]:
+    """(the recipe, the flags that override it) of a `train` command line; the quickstart without ``--config``."""
     argv = list(argv)
     if "--config" not in argv:
         argv = ["--config", str(embedded_recipe()), *argv]
@@ -130,12 +133,90 @@ def parse_train_args(argv: list[str]):
     config_path = Path(argv[position + 1])
     if not config_path.is_file():
         raise UsageError(f"--config {config_path}: no such file (recipes: recipes/*.yaml, or no --config for the quickstart)")
-    overrides = [a for i, a in enumerate(argv) if a != "--config" and (i == 0 or argv[i - 1] != "--config")]
+    return config_path, argv[:position] + argv[position + 2:]
+
+
+def check_train_args_early(argv: list[str]) -> dict[str, object]:
+    """The mistakes of a `train` command line found without importing torch, transformers or TRL: the recipe file and
+    its YAML, unknown fields and flags (where the recorded field names match the installed versions), the task, and
+    the values that `OBLRPOConfig` refuses (OBLR-PO's options, and the Trainer's numbers). Returns the raw values of
+    the recipe with the flags applied."""
+    from .options import TRAINER_VALUE_RULES, OBLRPOOptions, invalid_value
+    from .tasks import check_task_name
+    from .trainer_fields import known_trainer_fields
+
+    config_path, overrides = split_config(argv)
+    recipe = read_recipe(config_path)
+    values = {**recipe, **flag_values(overrides)}
+    trainer_fields = known_trainer_fields()
+    if trainer_fields is not None:
+        known = trainer_fields | {f.name for f in fields(TaskArguments)} | {f.name for f in fields(OBLRPOOptions)} | {"env"}
+        _reject_unknown_fields(known, config_path, recipe)
+        _reject_unknown_flags(known, overrides)
+    check_task_name(str(values.get("task", TaskArguments.task)))
+    for name, allowed, valid in TRAINER_VALUE_RULES:
+        if name in values:
+            value = _typed(values[name])
+            if isinstance(value, bool) or not valid(value):
+                raise invalid_value(name, value, allowed)
+    option_names = {f.name for f in fields(OBLRPOOptions)}
+    OBLRPOOptions(**{name: _typed(value) for name, value in values.items() if name in option_names}).validate_options()
+    return values
+
+
+def check_gpu_needs(values: dict[str, object], config_path: Path) -> None:
+    """A GPU recipe (bf16, vLLM) on a machine without a GPU: say so in one line, and how to try it on a CPU, instead of
+    transformers' "assign use_cpu" (after which the Hub model would not fit a CPU run anyway)."""
+    needs = [name for name in ("bf16", "use_vllm") if _typed(values.get(name)) is True]
+    if not needs or _typed(values.get("use_cpu")) is True:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    raise UsageError(
+        f"{config_path} needs a GPU ({', '.join(f'{name}: true' for name in needs)}) and this machine has none. "
+        "On a CPU, try it with " + " ".join(f"--{name} false" for name in needs) + " --use_cpu true and a small "
+        "model (--model_name_or_path builtin:smollm2-135m-instruct), or run `oblr-trl train` for the CPU quickstart."
+    )
+
+
+def flag_values(overrides: list[str]) -> dict[str, object]:
+    """``--field value``, ``--field=value`` and a bare ``--flag`` (True) as a dict of raw values."""
+    values: dict[str, object] = {}
+    for index, argument in enumerate(overrides):
+        if not argument.startswith("--"):
+            continue
+        name, separator, value = argument[2:].partition("=")
+        if not separator:
+            following = overrides[index + 1] if index + 1 < len(overrides) else None
+            value = True if following is None or following.startswith("--") else following
+        values[name.replace("-", "_")] = value
+    return values
+
+
+def _typed(value):
+    """A flag's text as the number or boolean it spells (YAML already typed a recipe's values)."""
+    if not isinstance(value, str):
+        return value
+    if value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    for kind in (int, float):
+        try:
+            return kind(value)
+        except ValueError:
+            pass
+    return value
+
+
+def parse_train_args(argv: list[str]):
+    """(task_args, training_args, model_args, recipe_text) from ``--config`` (or the quickstart) and flags."""
+    config_path, overrides = split_config(argv)
     parser = make_train_parser()
     known = {action.dest for action in parser._actions} | {"env"}
-    _reject_unknown_fields(known, config_path)
+    _reject_unknown_fields(known, config_path, read_recipe(config_path))
     _reject_unknown_flags(known, overrides)
-    task_args, training_args, model_args = parser.parse_args_and_config(argv)
+    task_args, training_args, model_args = parser.parse_args_and_config(["--config", str(config_path), *overrides])
     recipe = f"# {config_path.name}\n{config_path.read_text()}"
     if overrides:
         recipe += f"\n# command-line overrides: {' '.join(overrides)}\n"
@@ -147,8 +228,8 @@ def _did_you_mean(name: str, known: set[str], prefix: str = "") -> str:
     return f" (did you mean {prefix}{close[0]}?)" if close else ""
 
 
-def _reject_unknown_fields(known: set[str], config_path: Path) -> None:
-    """Unknown recipe keys fail before any configuration is built (TrlParser only checks them afterwards)."""
+def read_recipe(config_path: Path) -> dict:
+    """The recipe's YAML mapping; a syntax error is reported with its line."""
     import yaml
 
     try:
@@ -159,6 +240,11 @@ def _reject_unknown_fields(known: set[str], config_path: Path) -> None:
         raise UsageError(f"{config_path} is not valid YAML{where}: {getattr(error, 'problem', error)}") from error
     if not isinstance(recipe, dict):
         raise UsageError(f"{config_path} must contain a YAML mapping of field: value.")
+    return recipe
+
+
+def _reject_unknown_fields(known: set[str], config_path: Path, recipe: dict) -> None:
+    """Unknown recipe keys fail before any configuration is built (TrlParser only checks them afterwards)."""
     unknown = sorted(set(recipe) - known)
     if unknown:
         raise ValueError(
@@ -230,7 +316,7 @@ def prepare_output_dir(output_dir: str, overwrite: bool, resuming: bool) -> None
         return
     if not overwrite:
         raise UsageError(
-            f"{output_dir} holds another run ({len(previous)} checkpoint(s)"
+            f"{output_dir} holds another run ({counted(len(previous), 'checkpoint')}"
             f"{', trainer_state.json' if state.exists() else ''}). Allowed: a new --output_dir, "
             "--resume_from_checkpoint CHECKPOINT to continue that run, or --overwrite_output_dir true to replace it."
         )
@@ -251,6 +337,8 @@ def train(argv: list[str]) -> int:
     # can change (GRPOTrainer prints it too), so the console leaves it out
     warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
     with reported_as_usage_errors():
+        values = check_train_args_early(argv)  # before torch, transformers and TRL load (seconds on a busy machine)
+        check_gpu_needs(values, split_config(argv)[0])
         task_args, training_args, model_args, recipe = parse_train_args(argv)
         from . import models
         from .rewards import get_reward_funcs
@@ -286,9 +374,12 @@ def train(argv: list[str]) -> int:
     trainer.recipe = recipe
     trainer.base_model_id = models.model_card_id(model_name)
     dataset_id, trainer.dataset_description = task_source(task_args.task, task_args.options())
-    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    if trainer.preemption.received is not None:
-        return _report_preemption(trainer, argv)
+    from .guards import TrainingPreempted
+
+    try:
+        trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    except TrainingPreempted as stopped:
+        return _report_preemption(trainer, argv, stopped)
     trainer.save_model(training_args.output_dir)
     trainer.save_state()
     if trainer.is_world_process_zero() and task_args.plot:
@@ -303,18 +394,28 @@ def train(argv: list[str]) -> int:
     return 0
 
 
-def _report_preemption(trainer, argv: list[str]) -> int:
+def _report_preemption(trainer, argv: list[str], stopped) -> int:
     """Stopped by SIGTERM/SIGINT after saving a checkpoint: say where, how to resume, and exit 128 + signal."""
-    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
-
-    signum = trainer.preemption.received
+    signum = stopped.signal if stopped.signal is not None else signal.SIGTERM  # another process was signalled
     if trainer.is_world_process_zero():
-        # the one this run just saved: the folder may hold higher-numbered checkpoints of an earlier run
-        checkpoint = Path(trainer.args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}"
-        command = " ".join(["oblr-trl", "train", *argv, "--resume_from_checkpoint", str(checkpoint)])
-        print(f"stopped by signal {signum} after step {trainer.state.global_step}; checkpoint: {checkpoint}\n"
+        command = " ".join(["oblr-trl", "train", *without_option(argv, "--resume_from_checkpoint"),
+                            "--resume_from_checkpoint", str(stopped.checkpoint)])
+        print(f"stopped by {signal.Signals(signum).name} after step {stopped.step}; checkpoint: {stopped.checkpoint}\n"
               f"resume with: {command}")
     return 128 + signum
+
+
+def without_option(argv: list[str], option: str) -> list[str]:
+    """``argv`` without ``option VALUE`` and ``option=VALUE`` (a resumed run's command names its checkpoint once)."""
+    kept, skip = [], False
+    for item in argv:
+        if skip:
+            skip = False
+        elif item == option:
+            skip = True
+        elif not item.startswith(option + "="):
+            kept.append(item)
+    return kept
 
 
 def _print_reward_change(history: list[dict]) -> None:
@@ -322,7 +423,8 @@ def _print_reward_change(history: list[dict]) -> None:
     if len(rewards) >= 2:
         window = max(1, len(rewards) // 5)
         first, last = sum(rewards[:window]) / window, sum(rewards[-window:]) / window
-        print(f"mean reward: first {window} logged steps {first:.3f} -> last {window} logged steps {last:.3f}")
+        steps = counted(window, "logged step")
+        print(f"mean reward: first {steps} {first:.3f} -> last {steps} {last:.3f}")
 
 
 def eval_output_dir(model: str) -> str:
@@ -339,7 +441,7 @@ def evaluate_command(args: argparse.Namespace) -> int:
 
     with reported_as_usage_errors():  # everything evaluate() would refuse, before the model loads
         check_sampling(args.n, args.temperature, args.backend)
-        check_model_available(args.model)
+        check_model_available(args.model, option="--model")
         problems = load_task(args.task, "test", task_options(args))
     result = evaluate(
         args.model,
@@ -393,13 +495,15 @@ def main(argv: list[str] | None = None) -> int:
 def run_command(argv: list[str]) -> int:
     if argv[:1] == ["train"]:  # TrlParser owns the whole command line of `train`
         return train(argv[1:])
+    # no prefix matching anywhere: `--max_new_token` must not silently mean `--max_new_tokens`
     parser = argparse.ArgumentParser(
-        prog="oblr-trl", description="OBLR-PO for TRL users.", epilog="--debug (any command): show the traceback of an error."
+        prog="oblr-trl", description="OBLR-PO for TRL users.", epilog="--debug (any command): show the traceback of an error.",
+        allow_abbrev=False,
     )
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("train", help="train from a YAML recipe (default: the embedded quickstart); --help for fields")
 
-    eval_parser = commands.add_parser("eval", help="pass@1 / pass@n of a model on a task")
+    eval_parser = commands.add_parser("eval", help="pass@1 / pass@n of a model on a task", allow_abbrev=False)
     eval_parser.add_argument("--model", required=True, help="Hub id, local path or builtin:smollm2-135m-instruct")
     eval_parser.add_argument("--task", required=True, help="task name (see `oblr-trl tasks`)")
     eval_parser.add_argument("--n", type=int, default=1, help="samples per problem")
@@ -421,11 +525,13 @@ def run_command(argv: list[str]) -> int:
             )
     eval_parser.set_defaults(handler=evaluate_command)
 
-    plot_parser = commands.add_parser("plot", help="PNG of a run's training curves")
+    plot_parser = commands.add_parser("plot", help="PNG of a run's training curves", allow_abbrev=False)
     plot_parser.add_argument("run_dir")
     plot_parser.add_argument("--output", default=None, help="default: RUN_DIR/training_curves.png")
     plot_parser.set_defaults(handler=plot_command)
 
     commands.add_parser("tasks", help="list the tasks").set_defaults(handler=tasks_command)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # the command's own usage line, not the top-level one argparse would print
+        commands.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     return args.handler(args)

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
-from .options import OBLRPOOptions, check_one_of, invalid_value
+from .options import TRAINER_VALUE_RULES, OBLRPOOptions, check_one_of, invalid_value
 
 __all__ = ["OBLRPOConfig"]
 
@@ -15,27 +14,15 @@ SCALE_REWARDS = ("none", "group", "batch")
 MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 
 
-def _number(value) -> bool:
-    return isinstance(value, (int, float)) and math.isfinite(value)
+def bf16_available(use_cpu: bool) -> bool:
+    """Whether bf16 mixed precision runs here: on a GPU (or TPU) that has it, not on a CPU.
 
+    GRPOConfig resolves `bf16=None` to True everywhere, which transformers then refuses on a machine without such an
+    accelerator ("Your setup doesn't support bf16/gpu"), so `OBLRPOConfig()` could not train on a CPU at all.
+    """
+    from transformers.utils import is_torch_bf16_gpu_available, is_torch_xla_available
 
-# (field, allowed values, check): numbers that torch's optimizer, the scheduler or generation would reject later
-TRAINER_VALUE_RULES = (
-    ("learning_rate", "a finite float >= 0", lambda v: _number(v) and v >= 0),
-    ("weight_decay", "a finite float >= 0", lambda v: _number(v) and v >= 0),
-    ("adam_beta1", "a float in [0, 1)", lambda v: _number(v) and 0 <= v < 1),
-    ("adam_beta2", "a float in [0, 1)", lambda v: _number(v) and 0 <= v < 1),
-    ("adam_epsilon", "a finite float >= 0", lambda v: _number(v) and v >= 0),
-    ("warmup_steps", "a number >= 0", lambda v: _number(v) and v >= 0),
-    ("max_steps", "-1 (train num_train_epochs) or an integer >= 1", lambda v: isinstance(v, int) and (v == -1 or v >= 1)),
-    ("num_train_epochs", "a finite float > 0", lambda v: _number(v) and v > 0),
-    ("per_device_train_batch_size", "an integer >= 1", lambda v: isinstance(v, int) and v >= 1),
-    ("gradient_accumulation_steps", "an integer >= 1", lambda v: isinstance(v, int) and v >= 1),
-    ("max_completion_length", "an integer >= 1", lambda v: isinstance(v, int) and v >= 1),
-    ("temperature", "a finite float > 0", lambda v: _number(v) and v > 0),
-    ("top_p", "a float in (0, 1]", lambda v: _number(v) and 0 < v <= 1),
-    ("beta", "a finite float >= 0", lambda v: _number(v) and v >= 0),
-)
+    return not use_cpu and (is_torch_bf16_gpu_available() or is_torch_xla_available())
 
 
 @dataclass
@@ -149,9 +136,12 @@ class OBLRPOConfig(OBLRPOOptions, GRPOConfig):  # this base order keeps GRPOConf
             SIGINT interrupts at once).
 
     > [!NOTE]
-    > Defaults that differ from [`~trl.GRPOConfig`], because the theory says so:
+    > Defaults that differ from [`~trl.GRPOConfig`]:
     > - `scale_rewards`: `"none"` instead of `"group"`. The variance-optimal baseline has no std scaling, and dividing
     >   by a std that depends on r_i biases the estimator.
+    > - `bf16`: `None` resolves to what the machine supports (True on a GPU with bf16, False, i.e. fp32, on a CPU or
+    >   with `use_cpu=True`) instead of always True, which transformers refuses on a CPU. An explicit `bf16=True`
+    >   behaves as in GRPOConfig.
     """
 
     # Defaults that follow the theory where TRL's differ
@@ -184,6 +174,8 @@ class OBLRPOConfig(OBLRPOOptions, GRPOConfig):  # this base order keeps GRPOConf
         check_one_of("multi_objective_aggregation", self.multi_objective_aggregation, MULTI_OBJECTIVE_AGGREGATIONS)
         self.validate_options()
         self._validate_trainer_values()
+        if self.bf16 is None and not self.fp16:
+            self.bf16 = bf16_available(self.use_cpu)
         super().__post_init__()
         self._validate_batch_layout()
 

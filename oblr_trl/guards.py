@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["PreemptionSignal", "name_reward_errors", "validate_training_data"]
+__all__ = ["PreemptionSignal", "TrainingPreempted", "name_reward_errors", "validate_training_data"]
 
 # What TRL passes to every reward function besides the dataset's own columns.
 _TRL_REWARD_KWARGS = {"prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric", "environments"}
@@ -97,6 +97,7 @@ class PreemptionSignal:
         self._previous: dict[int, object] = {}
 
     def install(self) -> None:
+        self.received = None
         if threading.current_thread() is not threading.main_thread():
             return
         for signum in self.SIGNALS:
@@ -112,3 +113,19 @@ class PreemptionSignal:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous.clear()
+
+
+class TrainingPreempted(RuntimeError):
+    """`train()` stopped early on SIGTERM/SIGINT after saving a resumable checkpoint (`save_on_preemption`).
+
+    Raised instead of returning as if training had finished, so that the next line of a script (`push_to_hub`, an
+    evaluation) never runs on a partly trained model. ``signal`` is None on a process that stopped because another
+    process of the launch was signalled; ``checkpoint`` is None where no checkpoint could be saved.
+    """
+
+    def __init__(self, signal_number: int | None, step: int, checkpoint: str | None):
+        self.signal, self.step, self.checkpoint = signal_number, step, checkpoint
+        cause = signal.Signals(signal_number).name if signal_number is not None else "a signal to another process"
+        where = (f"checkpoint saved to {checkpoint}; resume with trainer.train(resume_from_checkpoint={checkpoint!r})"
+                 if checkpoint else "no checkpoint was saved")
+        super().__init__(f"Training stopped by {cause} after optimizer step {step}: {where}.")

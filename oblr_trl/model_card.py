@@ -8,6 +8,7 @@ fills the procedure from the configuration and the log history.
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
@@ -42,18 +43,28 @@ def _version(package: str) -> str:
         return "not installed"
 
 
+def counted(number: int, noun: str) -> str:
+    """'1 logged step', '3 logged steps'."""
+    return f"{number} {noun}" if number == 1 else f"{number} {noun}s"
+
+
+def _is_finite_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def final_metrics(history: list[dict]) -> list[tuple[str, str]]:
     """Reward at the start and end of the run (a fifth of the logged steps each), the SNR factor, steps and time."""
-    steps = [entry for entry in history if "reward" in entry]
+    # a reward function that returns None for every completion leaves None (or NaN) in the logs: no number to show
+    steps = [entry for entry in history if _is_finite_number(entry.get("reward"))]
     rows = []
     if steps:
         window = max(1, len(steps) // 5)
         first = statistics.fmean(entry["reward"] for entry in steps[:window])
         last = statistics.fmean(entry["reward"] for entry in steps[-window:])
-        rows.append(("mean reward", f"{first:.3f} (first {window} logged steps) → {last:.3f} (last {window})"))
-        factors = [entry["snr/lr_factor"] for entry in steps if isinstance(entry.get("snr/lr_factor"), (int, float))]
-        if factors:
-            rows.append(("learning-rate factor", f"mean {statistics.fmean(factors):.3f}, range {min(factors):.3f}–{max(factors):.3f}"))
+        rows.append(("mean reward", f"{first:.3f} (first {counted(window, 'logged step')}) → {last:.3f} (last {window})"))
+    factors = [entry["snr/lr_factor"] for entry in history if _is_finite_number(entry.get("snr/lr_factor"))]
+    if factors:
+        rows.append(("learning-rate factor", f"mean {statistics.fmean(factors):.3f}, range {min(factors):.3f}–{max(factors):.3f}"))
     summary = next((entry for entry in reversed(history) if "train_runtime" in entry), None)
     if summary is not None:
         rows.append(("training time", f"{summary['train_runtime']:.0f} s"))

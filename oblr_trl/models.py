@@ -52,30 +52,38 @@ def resolve_model(name_or_path: str) -> str:
     return str(target)
 
 
-def check_model_available(name_or_path: str) -> None:
+def check_model_available(name_or_path: str, option: str = "`model_name_or_path`") -> None:
     """Raise ValueError saying what is wrong and what to try if ``name_or_path`` cannot be loaded, without loading it.
 
     A built-in id must be known and its package installed; an existing folder must hold a model; anything else is a
     Hub id, which must be in the local cache or on the Hub (one metadata request, no download). Without this check a
     misspelt id costs transformers' retries (34 s) and ends in two tracebacks about connecting to the Hub.
+    ``option`` is how the messages name the setting (`eval` takes ``--model``).
     """
     allowed = f"a local model folder, {', '.join(BUILTIN_PREFIX + n for n in BUILTIN_MODELS)} or a Hub model id"
     if name_or_path.startswith(BUILTIN_PREFIX):
         name = name_or_path[len(BUILTIN_PREFIX):]
         if name not in BUILTIN_MODELS:
-            raise ValueError(f"Invalid value for `model_name_or_path`: {name_or_path!r}. Allowed values: {allowed}.")
+            raise ValueError(f"Invalid value for {option}: {name_or_path!r}. Allowed values: {allowed}.")
         gguf_path(name)
         return
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         if not any((path / marker).exists() for marker in ("config.json", "adapter_config.json")):
+            checkpoints = sorted(path.glob("checkpoint-*"), key=lambda c: int(c.name.split("-")[-1]) if
+                                 c.name.split("-")[-1].isdigit() else -1)
+            if checkpoints:  # a run that stopped before saving its final model
+                raise ValueError(
+                    f"Invalid value for {option}: {name_or_path!r} holds no final model (an interrupted run?); its "
+                    f"newest checkpoint is {checkpoints[-1]}: give that folder instead."
+                )
             raise ValueError(
-                f"Invalid value for `model_name_or_path`: {name_or_path!r} is a folder without config.json or "
+                f"Invalid value for {option}: {name_or_path!r} is a folder without config.json or "
                 f"adapter_config.json. Allowed values: {allowed}."
             )
         return
     if name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1:
-        raise ValueError(f"Invalid value for `model_name_or_path`: {name_or_path!r}: no such folder. Allowed values: {allowed}.")
+        raise ValueError(f"Invalid value for {option}: {name_or_path!r}: no such folder. Allowed values: {allowed}.")
     import huggingface_hub
     from huggingface_hub import HfApi, try_to_load_from_cache
     from huggingface_hub.errors import GatedRepoError, HFValidationError, RepositoryNotFoundError
@@ -84,17 +92,17 @@ def check_model_available(name_or_path: str) -> None:
         if isinstance(try_to_load_from_cache(name_or_path, "config.json"), str):
             return
     except HFValidationError as error:
-        raise ValueError(f"Invalid value for `model_name_or_path`: {name_or_path!r}: {error}. Allowed values: {allowed}.") from error
+        raise ValueError(f"Invalid value for {option}: {name_or_path!r}: {error}. Allowed values: {allowed}.") from error
     if huggingface_hub.constants.HF_HUB_OFFLINE:
         raise ValueError(
-            f"Invalid value for `model_name_or_path`: {name_or_path!r} is not a local folder nor in the Hub cache, and "
+            f"Invalid value for {option}: {name_or_path!r} is not a local folder nor in the Hub cache, and "
             f"HF_HUB_OFFLINE is set. Allowed values: {allowed}; or unset HF_HUB_OFFLINE to download it."
         )
     try:
         HfApi().model_info(name_or_path, timeout=10)
     except RepositoryNotFoundError as error:
         raise ValueError(
-            f"Invalid value for `model_name_or_path`: no model {name_or_path!r} on the Hub (check the spelling; a private "
+            f"Invalid value for {option}: no model {name_or_path!r} on the Hub (check the spelling; a private "
             "model needs `hf auth login`), and no local folder of that name."
         ) from error
     except GatedRepoError as error:

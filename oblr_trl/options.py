@@ -10,7 +10,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-__all__ = ["BASELINE_ESTIMATORS", "BASELINE_WEIGHTS", "OBLRPOOptions", "SNR_ESTIMATORS", "SNR_LR_REFERENCES"]
+__all__ = [
+    "BASELINE_ESTIMATORS", "BASELINE_WEIGHTS", "OBLRPOOptions", "SNR_ESTIMATORS", "SNR_LR_REFERENCES", "TRAINER_VALUE_RULES",
+]
 
 BASELINE_WEIGHTS = ("logit", "length", "exact", "uniform")
 BASELINE_ESTIMATORS = ("weighted", "shrunk", "pooled_slope")
@@ -25,6 +27,29 @@ def invalid_value(name: str, value, allowed: str) -> ValueError:
 def check_one_of(name: str, value, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise invalid_value(name, value, ", ".join(repr(c) for c in choices))
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+# (field, allowed values, check): numbers that torch's optimizer, the scheduler or generation would reject later
+TRAINER_VALUE_RULES = (
+    ("learning_rate", "a finite float >= 0", lambda v: _number(v) and v >= 0),
+    ("weight_decay", "a finite float >= 0", lambda v: _number(v) and v >= 0),
+    ("adam_beta1", "a float in [0, 1)", lambda v: _number(v) and 0 <= v < 1),
+    ("adam_beta2", "a float in [0, 1)", lambda v: _number(v) and 0 <= v < 1),
+    ("adam_epsilon", "a finite float >= 0", lambda v: _number(v) and v >= 0),
+    ("warmup_steps", "a number >= 0", lambda v: _number(v) and v >= 0),
+    ("max_steps", "-1 (train num_train_epochs) or an integer >= 1", lambda v: isinstance(v, int) and (v == -1 or v >= 1)),
+    ("num_train_epochs", "a finite float > 0", lambda v: _number(v) and v > 0),
+    ("per_device_train_batch_size", "an integer >= 1", lambda v: isinstance(v, int) and v >= 1),
+    ("gradient_accumulation_steps", "an integer >= 1", lambda v: isinstance(v, int) and v >= 1),
+    ("max_completion_length", "an integer >= 1", lambda v: isinstance(v, int) and v >= 1),
+    ("temperature", "a finite float > 0", lambda v: _number(v) and v > 0),
+    ("top_p", "a float in (0, 1]", lambda v: _number(v) and 0 < v <= 1),
+    ("beta", "a finite float >= 0", lambda v: _number(v) and v >= 0),
+)
 
 
 @dataclass

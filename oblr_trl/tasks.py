@@ -90,11 +90,15 @@ LOCAL_TASKS = {
 TASKS = {**{name: spec.description for name, spec in HUB_TASKS.items()}, **LOCAL_TASKS}
 
 
+def check_task_name(name: str) -> None:
+    if name not in TASKS:
+        raise ValueError(f"Invalid value for `task`: {name!r}. Allowed values: {', '.join(map(repr, TASKS))}.")
+
+
 def load_task(name: str, split: str = "train", options: TaskOptions | None = None):
     """The ``split`` ('train' or 'test') of task ``name`` as a Dataset with ``prompt``, ``question`` and ``answer``."""
     options = options or TaskOptions()
-    if name not in TASKS:
-        raise ValueError(f"Invalid value for `task`: {name!r}. Allowed values: {', '.join(map(repr, TASKS))}.")
+    check_task_name(name)
     if split not in SPLITS:
         raise ValueError(f"Invalid value for `split`: {split!r}. Allowed values: {', '.join(map(repr, SPLITS))}.")
     if name == "arithmetic":

@@ -15,6 +15,7 @@ import contextlib
 import json
 import math
 import os
+import shutil
 import sys
 import textwrap
 import warnings
@@ -24,6 +25,7 @@ from typing import Any
 import torch
 from accelerate.utils import is_peft_model
 from transformers import TrainerCallback
+from transformers.utils import logging
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
@@ -36,7 +38,8 @@ from .optim_hooks import MicroBatchGradSqNorms, OptimizerStepGate, StepLearningR
 from .generation_hooks import GenerationLogitStats
 from .ghost_norms import log_likelihood_grad_sq_norms
 from .model_card import ModelCardFacts, model_card_text
-from .guards import PreemptionSignal, name_reward_errors, validate_training_data
+from . import models
+from .guards import PreemptionSignal, TrainingPreempted, name_reward_errors, validate_training_data
 from .per_sample import per_sample_grad_sq_norms, row_objective
 from .sketch import GradientSketch
 from .snr import (
@@ -50,8 +53,11 @@ from .weights import length_weights, logit_proxy_weights, loss_token_gains, unif
 
 __all__ = ["OBLRPOTrainer"]
 
+logger = logging.get_logger(__name__)
+
 STATE_FILE = "oblr_state.json"
 POOLED_SLOPE_DECAY = 0.9  # moving-average decay of the pooled slope's fit, over generation batches
+PREEMPTION_MARKER = "oblr_preemption.json"  # in a checkpoint saved on SIGTERM/SIGINT: only the newest is kept
 SKETCH_FILE = "oblr_gradient_sketch.pt"  # the last step's gradient sketch, for the cross-step SNR estimator
 
 # Keys of TRL's generation output that `_get_per_token_logps_and_entropies` takes as keyword arguments.
@@ -97,6 +103,7 @@ class _OBLRPOCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         if args.save_on_preemption and self.trainer._preemption_requested():
+            self.trainer._preempted_at_step = state.global_step
             control.should_save = True
             control.should_training_stop = True
 
@@ -149,9 +156,14 @@ class OBLRPOTrainer(GRPOTrainer):
     }
 
     def __init__(self, model, reward_funcs=None, args: OBLRPOConfig | None = None, *trainer_args, **trainer_kwargs):
+        base_model_id = None
+        if isinstance(model, str) and model.startswith(models.BUILTIN_PREFIX):  # the ids `oblr-trl train` accepts
+            base_model_id = models.model_card_id(model)
+            name, model = model[len(models.BUILTIN_PREFIX):], models.resolve_model(model)
+        else:
+            name = model if isinstance(model, str) else get_config_model_id(model.config)
         if args is None:
-            model_name = model if isinstance(model, str) else get_config_model_id(model.config)
-            args = OBLRPOConfig(f"{model_name.split('/')[-1]}-OBLR-PO")
+            args = OBLRPOConfig(f"{name.rstrip('/').split('/')[-1]}-OBLR-PO")
         elif not isinstance(args, OBLRPOConfig):
             raise TypeError(
                 f"OBLRPOTrainer needs an OBLRPOConfig, got {type(args).__name__}. OBLRPOConfig takes every GRPOConfig "
@@ -166,7 +178,7 @@ class OBLRPOTrainer(GRPOTrainer):
         # what the model card cannot read from the model and the data (set by `oblr-trl train`): the YAML recipe, the
         # base model's Hub id (a built-in model is a local folder) and where the problems came from
         self.recipe: str | None = None
-        self.base_model_id: str | None = None
+        self.base_model_id: str | None = base_model_id
         self.dataset_description: str | None = None
 
         self._policy_module = self.model.get_base_model() if is_peft_model(self.model) else self.model
@@ -220,7 +232,20 @@ class OBLRPOTrainer(GRPOTrainer):
         self._step_grad_norm_finite = True
         self.skipped_nonfinite_steps = 0
         self.preemption = PreemptionSignal()
+        self._preempted_at_step: int | None = None
+        self._preemption_checkpoint: str | None = None
         self.add_callback(_OBLRPOCallback(self))
+
+    def train(self, *args, **kwargs):
+        """`GRPOTrainer.train`; raises [`TrainingPreempted`] after a SIGTERM/SIGINT stopped it early and saved a
+        checkpoint (`save_on_preemption`), instead of returning as if training had finished."""
+        self._preempted_at_step = self._preemption_checkpoint = None
+        output = super().train(*args, **kwargs)
+        if self._preempted_at_step is not None:
+            stopped = TrainingPreempted(self.preemption.received, self._preempted_at_step, self._preemption_checkpoint)
+            logger.warning(str(stopped))
+            raise stopped
+        return output
 
     # ------------------------------------------------------------------------------------------------------------
     # Set-up
@@ -789,6 +814,12 @@ class OBLRPOTrainer(GRPOTrainer):
         """README.md in output_dir: base model, problems, settings and results of this run (`oblr_trl.model_card`)."""
         if not self.is_world_process_zero():
             return
+        try:
+            self._write_model_card(model_name, dataset_name, tags)
+        except Exception as error:  # noqa: BLE001 - TRL writes the card before every checkpoint: never lose one to it
+            warnings.warn(f"The model card was not written ({type(error).__name__}: {error}); training goes on.")
+
+    def _write_model_card(self, model_name, dataset_name, tags) -> None:
         source = get_config_model_id(self.model.config) or ""
         on_disk = os.path.isdir(source)
         args = self.args
@@ -851,9 +882,13 @@ class OBLRPOTrainer(GRPOTrainer):
 
     def _save_checkpoint(self, model, trial):
         super()._save_checkpoint(model, trial)
+        folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        if self._preempted_at_step is not None:
+            self._preemption_checkpoint = str(folder)
         if not self.args.should_save:
             return
-        folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        if self._preempted_at_step is not None:
+            self._keep_one_preemption_checkpoint(folder)
         state: dict[str, Any] = {"pooled_slope": self.pooled_slope.state_dict()}
         if self._micro_batch_norms is not None:
             state |= {
@@ -865,6 +900,18 @@ class OBLRPOTrainer(GRPOTrainer):
                 sketch, generations = self._previous_step
                 torch.save({"sketch": sketch.cpu(), "generations": sorted(generations)}, folder / SKETCH_FILE)
         (folder / STATE_FILE).write_text(json.dumps(state, indent=2))
+
+    def _keep_one_preemption_checkpoint(self, newest: Path) -> None:
+        """Mark ``newest`` as saved on preemption and delete the run's earlier preemption checkpoints: each interruption
+        would otherwise leave a full checkpoint behind (1.6 GB for a 135M model with AdamW's state). With
+        `save_total_limit` set, the Trainer's own rotation decides instead."""
+        (newest / PREEMPTION_MARKER).write_text(json.dumps({"signal": self.preemption.received,
+                                                            "step": self.state.global_step}))
+        if self.args.save_total_limit is not None:
+            return
+        for folder in newest.parent.glob(f"{PREFIX_CHECKPOINT_DIR}-*"):
+            if folder != newest and (folder / PREEMPTION_MARKER).exists():
+                shutil.rmtree(folder, ignore_errors=True)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)

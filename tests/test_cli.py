@@ -2,6 +2,8 @@
 recipe end to end on a tiny local model, `eval` and `plot` write their outputs."""
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -128,7 +130,7 @@ def test_model_card_of_a_local_model_on_a_hub_dataset():
     assert "fine-tuned version of the local model `/models/mine`, trained with OBLR-PO" in card
     assert "on [openai/gsm8k](https://huggingface.co/datasets/openai/gsm8k)." in card
     assert "base_model" not in card and "datasets:\n- openai/gsm8k" in card and 'model="me/run"' in card
-    assert "| mean reward | 0.200 (first 1 logged steps) → 0.600 (last 1) |" in card and "| training time | 12 s |" in card
+    assert "| mean reward | 0.200 (first 1 logged step) → 0.600 (last 1) |" in card and "| training time | 12 s |" in card
 
 
 def test_eval_results_of_non_local_models_go_to_a_folder_per_model():
@@ -184,20 +186,24 @@ def test_flags_are_not_prefix_matched():
     assert parse_train_args(["--learning_rate", "1e-5"])[1].learning_rate == 1e-5
 
 
-def test_resume_command_names_the_checkpoint_this_run_saved(tmp_path, capsys):
+def test_resume_command_names_the_checkpoint_this_run_saved_once(tmp_path, capsys):
     from types import SimpleNamespace
 
+    from oblr_trl import TrainingPreempted
     from oblr_trl.cli import _report_preemption
 
     (tmp_path / "checkpoint-60").mkdir()  # an earlier run's, higher-numbered
     (tmp_path / "checkpoint-1").mkdir()
-    trainer = SimpleNamespace(
-        preemption=SimpleNamespace(received=15), args=SimpleNamespace(output_dir=str(tmp_path)),
-        state=SimpleNamespace(global_step=1), is_world_process_zero=lambda: True,
-    )
-    assert _report_preemption(trainer, ["--max_steps", "5"]) == 128 + 15
-    out = capsys.readouterr().out
-    assert f"--resume_from_checkpoint {tmp_path / 'checkpoint-1'}" in out and "checkpoint-60" not in out
+    trainer = SimpleNamespace(is_world_process_zero=lambda: True)
+    stopped = TrainingPreempted(15, 1, str(tmp_path / "checkpoint-1"))
+    # a run that was itself resumed, in both spellings of the flag: the new command names only the new checkpoint
+    for argv in (["--max_steps", "5", "--resume_from_checkpoint", "old/checkpoint-3"],
+                 ["--resume_from_checkpoint=old/checkpoint-3", "--max_steps", "5"]):
+        assert _report_preemption(trainer, argv, stopped) == 128 + 15
+        out = capsys.readouterr().out
+        assert f"--resume_from_checkpoint {tmp_path / 'checkpoint-1'}" in out and "checkpoint-60" not in out
+        assert out.count("--resume_from_checkpoint") == 1 and "old/checkpoint-3" not in out and "--max_steps 5" in out
+        assert "stopped by SIGTERM after step 1" in out
 
 
 def test_overwrite_output_dir_reaches_the_folder_check(tmp_path, monkeypatch):
@@ -243,10 +249,12 @@ MISTAKES = {
     "YAML field typo": (lambda tmp: ["train", "--config", _recipe(tmp, "lerning_rate: 1.0e-5\n")],
                         "Unknown fields in", "lerning_rate (did you mean learning_rate?)"),
     "flag typo": (lambda tmp: ["train", "--learning_rat", "1e-5"], "unknown flag --learning_rat (did you mean --learning_rate?)"),
-    "bad choice": (lambda tmp: ["train", "--snr_estimator", "magic"], "invalid choice: 'magic'"),
+    "bad choice": (lambda tmp: ["train", "--lr_scheduler_type", "magic"], "invalid choice: 'magic'"),
+    "bad OBLR-PO choice": (lambda tmp: ["train", "--snr_estimator", "magic"],
+                           "Invalid value for `snr_estimator`: 'magic'. Allowed values: 'cross_step', 'two_batch'"),
     "unknown task": (lambda tmp: ["train", "--task", "nosuchtask"], "Invalid value for `task`: 'nosuchtask'. Allowed values:"),
     "negative learning rate": (lambda tmp: ["train", "--learning_rate", "-1"],
-                               "Invalid value for `learning_rate`: -1.0. Allowed values: a finite float >= 0."),
+                               "Invalid value for `learning_rate`: -1. Allowed values: a finite float >= 0."),
     "zero batch": (lambda tmp: ["train", "--per_device_train_batch_size", "0"], "`per_device_train_batch_size`: 0"),
     "missing local file": (lambda tmp: ["train", "--task", "local", "--task_path", str(tmp / "none.jsonl")],
                            "`task_path`", "no such file"),
@@ -270,7 +278,68 @@ MISTAKES = {
     "eval: sampling": (lambda tmp: ["eval", "--model", "builtin:smollm2-135m-instruct", "--task", "arithmetic", "--n", "4"],
                        "Allowed values with temperature 0 (greedy): 1"),
     "plot: no run": (lambda tmp: ["plot", str(tmp / "nothing")], "no trainer_state.json"),
+    "eval: interrupted run": (lambda tmp: ["eval", "--model", _interrupted_run(tmp), "--task", "arithmetic"],
+                              "Invalid value for --model:", "holds no final model", "checkpoint-12: give that folder"),
 }
+
+
+def _interrupted_run(tmp_path) -> str:
+    for step in (3, 12):  # numeric order, not text order: checkpoint-12 is the newest
+        (tmp_path / "interrupted" / f"checkpoint-{step}").mkdir(parents=True, exist_ok=True)
+    return str(tmp_path / "interrupted")
+
+
+# the mistakes `train` finds before torch, transformers and TRL are imported
+EARLY_MISTAKES = ["missing --config file", "YAML syntax", "YAML field typo", "flag typo", "bad OBLR-PO choice",
+                  "unknown task", "negative learning rate", "zero batch"]
+
+
+def test_train_mistakes_are_answered_before_torch_transformers_or_trl_load(tmp_path):
+    """Each in a fresh interpreter, so that nothing imported by an earlier test hides an import."""
+    script = (
+        "import sys, json\nfrom oblr_trl.cli import main\ncode = main(json.loads(sys.argv[1]))\n"
+        "print('LOADED', [m for m in ('torch', 'transformers', 'trl') if m in sys.modules], code)"
+    )
+    for mistake in EARLY_MISTAKES:
+        argv = MISTAKES[mistake][0](tmp_path)
+        done = subprocess.run([sys.executable, "-c", script, json.dumps(argv)], capture_output=True, text=True,
+                              timeout=120)
+        assert "LOADED [] 2" in done.stdout, (mistake, done.stdout, done.stderr[-2000:])
+        assert all(text in done.stderr for text in MISTAKES[mistake][1:]), (mistake, done.stderr)
+
+
+@pytest.mark.parametrize("command", [["eval", "--model", "m", "--task", "arithmetic", "--max_new_token", "4"],
+                                     ["plot", "runs/x", "--out", "x.png"]])
+def test_eval_and_plot_refuse_flag_prefixes_with_their_own_usage(command, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        main(command)
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert f"usage: oblr-trl {command[0]}" in err and f"unrecognized arguments: {command[-2]}" in err
+
+
+def test_a_gpu_recipe_on_a_cpu_says_so_in_one_line(tmp_path, no_model_load, capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    recipe = ROOT / "recipes" / "Qwen3-4B-Base" / "oblrpo" / "config_gsm8k_lora.yaml"
+    assert main(["train", "--config", str(recipe), "--output_dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "needs a GPU (bf16: true, use_vllm: true)" in err
+    assert "--bf16 false --use_vllm false --use_cpu true" in err and "use_cpu` if" not in err
+    assert main(["train", "--config", str(recipe), "--bf16", "false", "--use_vllm", "false", "--task", "nosuch",
+                 "--output_dir", str(tmp_path / "run")]) == 2  # with both turned off it goes on to the next check
+    assert "`task`: 'nosuch'" in capsys.readouterr().err
+
+
+def test_recorded_trainer_fields_are_the_installed_ones():
+    """The early check's record of GRPOConfig/TrainingArguments/ModelConfig names (`oblr_trl/trainer_fields.txt`) is
+    what the real parser accepts with the pinned versions; with others it stands aside."""
+    from oblr_trl import trainer_fields
+
+    recorded = trainer_fields.known_trainer_fields()
+    assert recorded is not None, "installed trl/transformers differ from RECORDED_FOR: python -m oblr_trl.trainer_fields"
+    assert recorded == trainer_fields.read_installed_fields()
 
 
 @pytest.mark.parametrize("mistake", list(MISTAKES))

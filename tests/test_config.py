@@ -131,6 +131,25 @@ def test_defaults_follow_the_theory(tmp_path):
     assert make(tmp_path, scale_rewards=True).scale_rewards == "group"
 
 
+def test_bf16_default_resolves_to_what_the_machine_has(tmp_path, monkeypatch):
+    """GRPOConfig's bf16=None becomes True, which transformers refuses on a CPU; OBLRPOConfig's becomes fp32 there
+    and bf16 on a GPU that has it. An explicit bf16=True is refused on a CPU exactly as GRPOConfig refuses it."""
+    import transformers.utils
+
+    config = OBLRPOConfig(output_dir=str(tmp_path))
+    assert config.bf16 is False and config.fp16 is False
+    assert OBLRPOConfig(output_dir=str(tmp_path), use_cpu=True).bf16 is False
+    with pytest.raises(ValueError, match="doesn't support bf16") as ours:
+        OBLRPOConfig(output_dir=str(tmp_path), bf16=True)
+    with pytest.raises(ValueError, match="doesn't support bf16") as trls:
+        GRPOConfig(output_dir=str(tmp_path))
+    assert str(ours.value) == str(trls.value)
+    monkeypatch.setattr(transformers.utils, "is_torch_bf16_gpu_available", lambda: True)  # a GPU with bf16
+    monkeypatch.setattr("transformers.training_args.is_torch_bf16_gpu_available", lambda: True)
+    assert OBLRPOConfig(output_dir=str(tmp_path)).bf16 is True
+    assert OBLRPOConfig(output_dir=str(tmp_path), use_cpu=True).bf16 is False
+
+
 def test_trainer_refuses_a_plain_grpo_config(tmp_path, tokenizer):
     from oblr_trl.testing import tiny_causal_lm
 

@@ -150,16 +150,40 @@ def test_old_checkpoint_without_oblr_state_resumes_with_a_warning(make_trainer, 
 # Graceful preemption
 # ----------------------------------------------------------------------------------------------------------------
 
-PREEMPTIBLE_RUN = """
-import os, sys
+def preemptible_cli_run(model, out, save_on_preemption) -> list[str]:
+    return ["train", "--model_name_or_path", str(model), "--output_dir", str(out), "--max_steps", "500",
+            "--per_device_train_batch_size", "4", "--num_generations", "4", "--max_completion_length", "4",
+            "--task_num_problems", "64", "--save_strategy", "no", "--plot", "false", "--save_on_preemption",
+            save_on_preemption, "--disable_tqdm", "true"]  # the metrics dict printed per step tells a step is done
+
+
+CLI_RUN = """
+import sys
 sys.path.insert(0, {tests!r})
 from oblr_trl.cli import main
-raise SystemExit(main([
-    "train", "--model_name_or_path", {model!r}, "--output_dir", {out!r}, "--max_steps", "500",
-    "--per_device_train_batch_size", "4", "--num_generations", "4", "--max_completion_length", "4",
-    "--task_num_problems", "64", "--save_strategy", "no", "--plot", "false", "--save_on_preemption", {flag!r},
-    "--disable_tqdm", "true",  # the metrics dict printed per step tells when the first step is done
-]))
+raise SystemExit(main({argv!r}))
+"""
+
+# A script that calls train() itself, as the README's `trainer.train(); trainer.push_to_hub()` does
+PYTHON_RUN = """
+import sys
+sys.path.insert(0, {tests!r})
+from datasets import Dataset
+from conftest import digit_fraction_reward
+from oblr_trl import OBLRPOConfig, OBLRPOTrainer, TrainingPreempted
+
+trainer = OBLRPOTrainer(
+    model={model!r}, reward_funcs=digit_fraction_reward,
+    args=OBLRPOConfig(output_dir={out!r}, max_steps=500, per_device_train_batch_size=4, num_generations=4,
+                      max_completion_length=4, logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True),
+    train_dataset=Dataset.from_dict({{"prompt": [f"{{a}}+{{b}}=" for a in range(8) for b in range(8)]}}),
+)
+try:
+    trainer.train()
+except TrainingPreempted as stopped:
+    print("RAISED", stopped.signal, stopped.step, stopped.checkpoint, flush=True)
+    raise SystemExit(3)
+print("RETURNED", flush=True)  # what a script must never see after a preemption: it would push a partial model
 """
 
 
@@ -169,38 +193,70 @@ def wait_for_first_logged_step(process, timeout=240):
         line = process.stdout.readline()
         seen.append(line)
         if "'loss'" in line:
-            return
+            return "".join(seen)
         assert line or process.poll() is None, "training ended before the signal:\n" + "".join(seen)[-3000:]
     raise AssertionError("no training step logged in time")
 
 
-def signal_after_first_step(model, out, save_on_preemption, signum):
-    """Start a long CLI run, signal it once a step is logged, and return (process, its output)."""
-    script = PREEMPTIBLE_RUN.format(tests=str(ROOT / "tests"), model=str(model), out=str(out), flag=save_on_preemption)
+def signal_after_first_step(script, signum):
+    """Start a long run, signal it once a step is logged, and return (process, its whole output)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
     process = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True)
-    wait_for_first_logged_step(process)
+    before = wait_for_first_logged_step(process)
     process.send_signal(signum)
     output, _ = process.communicate(timeout=240)
-    return process, output
+    return process, before + output
+
+
+def cli_script(argv: list[str]) -> str:
+    return CLI_RUN.format(tests=str(ROOT / "tests"), argv=argv)
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_signal_saves_a_resumable_checkpoint(saved_tiny_model, tmp_path, signum):
     out = tmp_path / "run"
-    process, output = signal_after_first_step(saved_tiny_model, out, "true", signum)
+    process, output = signal_after_first_step(cli_script(preemptible_cli_run(saved_tiny_model, out, "true")), signum)
     assert process.returncode == 128 + signum, output[-2000:]
     checkpoints = sorted(out.glob("checkpoint-*"))
     assert len(checkpoints) == 1 and (checkpoints[0] / "oblr_state.json").exists()
     step = int(checkpoints[0].name.split("-")[1])
     assert 1 <= step < 500
-    assert f"stopped by signal {signum}" in output and "--resume_from_checkpoint" in output
+    assert f"stopped by {signal.Signals(signum).name}" in output and "--resume_from_checkpoint" in output
+
+
+def test_two_interruptions_leave_one_checkpoint_and_a_resume_command_with_one_checkpoint(saved_tiny_model, tmp_path):
+    import shlex
+
+    out = tmp_path / "run"
+    argv = preemptible_cli_run(saved_tiny_model, out, "true")
+    for interruption in (1, 2):
+        process, output = signal_after_first_step(cli_script(argv), signal.SIGTERM)
+        assert process.returncode == 128 + signal.SIGTERM, output[-2000:]
+        command = next(line for line in output.splitlines() if line.startswith("resume with: "))
+        argv = shlex.split(command)[3:]  # after "resume with: oblr-trl"
+        assert argv.count("--resume_from_checkpoint") == 1 and not any("--resume_from_checkpoint=" in a for a in argv)
+        checkpoints = sorted(out.glob("checkpoint-*"))
+        assert [str(c) for c in checkpoints] == [argv[argv.index("--resume_from_checkpoint") + 1]]
+        if interruption == 1:
+            first = checkpoints[0]
+    assert checkpoints[0] != first and not first.exists()  # the second run continued from the first's and replaced it
+
+
+def test_signal_during_train_from_python_raises_with_the_checkpoint(saved_tiny_model, tmp_path):
+    out = tmp_path / "run"
+    script = PYTHON_RUN.format(tests=str(ROOT / "tests"), model=str(saved_tiny_model), out=str(out))
+    process, output = signal_after_first_step(script, signal.SIGTERM)
+    assert process.returncode == 3 and "RETURNED" not in output, output[-3000:]
+    line = next(line for line in output.splitlines() if line.startswith("RAISED"))
+    _, signum, step, checkpoint = line.split()
+    assert int(signum) == signal.SIGTERM and Path(checkpoint) == out / f"checkpoint-{step}" and Path(checkpoint).is_dir()
+    assert f"resume_from_checkpoint='{checkpoint}'" in output  # the log says how to resume
 
 
 def test_save_on_preemption_off_leaves_the_default_signal_behaviour(saved_tiny_model, tmp_path):
     out = tmp_path / "run"
-    process, _ = signal_after_first_step(saved_tiny_model, out, "false", signal.SIGTERM)
+    process, _ = signal_after_first_step(cli_script(preemptible_cli_run(saved_tiny_model, out, "false")), signal.SIGTERM)
     assert process.returncode == -signal.SIGTERM
     assert not list(out.glob("checkpoint-*"))
 

@@ -2,6 +2,8 @@
 weight option matters, and the learning rate seen by the optimizer is the schedule times the logged f_t."""
 
 import math
+import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -335,14 +337,11 @@ def test_cross_step_does_not_pair_steps_that_share_a_generation_batch(make_train
 
 def test_default_config_trains_with_one_micro_batch_and_without_args(tmp_path, tokenizer, monkeypatch):
     """`OBLRPOTrainer(model, reward_funcs, train_dataset=...)` with GRPOConfig's defaults (one micro-batch of 8 per
-    step). GRPOConfig defaults to bf16, which transformers refuses on a machine without a bf16 GPU for GRPOTrainer
-    alike: the check is told this machine has one (autocast runs bf16 on the CPU)."""
-    import transformers.training_args
+    step), on this CPU as it is: GRPOConfig's bf16 default would be refused here, OBLRPOConfig's resolves to fp32."""
     from datasets import Dataset
 
     from oblr_trl.testing import tiny_causal_lm
 
-    monkeypatch.setattr(transformers.training_args, "is_torch_bf16_gpu_available", lambda: True)
     monkeypatch.chdir(tmp_path)
     trainer = OBLRPOTrainer(
         model=tiny_causal_lm(tokenizer),
@@ -351,11 +350,62 @@ def test_default_config_trains_with_one_micro_batch_and_without_args(tmp_path, t
         processing_class=tokenizer,
     )
     assert trainer.args.gradient_accumulation_steps == 1 and trainer.args.snr_estimator == "cross_step"
+    assert trainer.args.bf16 is False and not trainer.accelerator.mixed_precision == "bf16"
     trainer.train()
     assert trainer.state.global_step == trainer.state.max_steps >= 2
     # every step after the first was paired with its predecessor and measured
     assert trainer.snr_controller.grad_sq_norm.count == trainer.state.max_steps - 1
     assert math.isfinite(trainer.snr_controller.bound_factor(1))
+
+
+def test_builtin_model_ids_work_from_python(tmp_path, tokenizer, monkeypatch, prompt_dataset):
+    """`OBLRPOTrainer(model="builtin:…")` takes the ids `oblr-trl train` takes (the export is stood in for by a tiny
+    model in the cache folder, where the real export would be)."""
+    from oblr_trl.models import cache_dir
+    from oblr_trl.testing import tiny_causal_lm
+
+    monkeypatch.setenv("OBLR_TRL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    exported = cache_dir() / "smollm2-135m-instruct"
+    tiny_causal_lm(tokenizer).save_pretrained(exported)
+    tokenizer.save_pretrained(exported)
+    trainer = OBLRPOTrainer(model="builtin:smollm2-135m-instruct", reward_funcs=digit_fraction_reward,
+                            train_dataset=prompt_dataset)
+    assert trainer.model.config.vocab_size == tokenizer.vocab_size and Path(trainer.model.name_or_path) == exported
+    assert trainer.args.output_dir == "smollm2-135m-instruct-OBLR-PO"  # no "builtin:" in a folder name
+    assert trainer.base_model_id == "HuggingFaceTB/SmolLM2-135M-Instruct"  # what the model card names
+    with pytest.raises(ValueError, match="builtin:smollm2-135m-instruct"):
+        OBLRPOTrainer(model="builtin:gpt-5", reward_funcs=digit_fraction_reward, train_dataset=prompt_dataset)
+
+
+def test_a_run_whose_rewards_are_all_none_keeps_its_checkpoints(make_trainer, tmp_path):
+    """TRL warns and trains on when every reward is None; writing the model card before each checkpoint must not
+    end the run (it did: statistics.fmean of None rewards)."""
+
+    def no_reward(completions, **kwargs):
+        return [None] * len(completions)
+
+    trainer = make_trainer(reward_funcs=[no_reward], max_steps=2, save_strategy="steps", save_steps=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+    assert not [w for w in caught if "model card" in str(w.message)]  # written, not merely survived
+    assert sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
+    card = (tmp_path / "run" / "README.md").read_text()
+    assert "OBLR-PO" in card and "mean reward" not in card
+
+
+def test_a_failing_model_card_never_fails_the_save(make_trainer, tmp_path, monkeypatch):
+    import oblr_trl.trainer
+
+    def broken(facts):
+        raise RuntimeError("card template broke")
+
+    monkeypatch.setattr(oblr_trl.trainer, "model_card_text", broken)
+    trainer = make_trainer(max_steps=1, save_strategy="steps", save_steps=1)
+    with pytest.warns(UserWarning, match="model card was not written.*card template broke"):
+        trainer.train()
+    assert (tmp_path / "run" / "checkpoint-1" / "oblr_state.json").exists()
 
 
 def test_eval_with_one_generation_per_prompt(make_trainer, prompt_dataset):
