@@ -162,11 +162,10 @@ def run_child(spec: dict) -> dict:
         model, tokenizer = AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
         torch.set_num_threads(spec["threads"])
     else:
-        overrides = METHODS[spec["method"].replace(CONTROL, "oblrpo-no-snr")]
         config = dict(output_dir=str(output_dir), max_steps=spec["steps"], logging_steps=1, save_strategy="no",
                       report_to=[], seed=spec["seed"], data_seed=spec["seed"], disable_tqdm=True,
                       **{**spec["config"], "learning_rate": spec["learning_rate"]})
-        trainer = build_trainer(spec["model"], overrides, config, None, load_split(spec["train"]))
+        trainer = build_trainer(spec["model"], spec["overrides"], config, None, load_split(spec["train"]))
         torch.set_num_threads(spec["threads"])
         trainer.train()
         model, tokenizer = trainer.model, trainer.processing_class
@@ -304,16 +303,19 @@ def main(argv=None):
 
     initial = run_all([{**base, "method": "initial", "seed": 0, "learning_rate": 0.0, "split": split,
                         "held_out": paths[split]} for split in ("validation", "test")], runs_dir, "untrained model", jobs)
-    sweep = run_all([{**base, "method": m, "seed": s, "learning_rate": lr, "split": "validation", "held_out": paths["validation"]}
+    sweep = run_all([{**base, "method": m, "overrides": METHODS[m], "seed": s, "learning_rate": lr, "split": "validation",
+                      "held_out": paths["validation"]}
                      for s in validation_seeds for lr in rates for m in args.methods], runs_dir, "rate sweep (validation)", jobs)
     best = choose_rates(sweep, args.methods, rates)
-    test = run_all([{**base, "method": m, "seed": s, "learning_rate": best[m], "split": "test", "held_out": paths["test"]}
+    test = run_all([{**base, "method": m, "overrides": METHODS[m], "seed": s, "learning_rate": best[m], "split": "test",
+                     "held_out": paths["test"]}
                     for s in test_seeds for m in args.methods], runs_dir, "test seeds", jobs)
     methods = list(args.methods)
     if "oblrpo" in best:
         realised = statistics.fmean(f for r in test if r["method"] == "oblrpo"
                                     for f in r["traces"]["snr/lr_factor"] if not math.isnan(f))
-        test += run_all([{**base, "method": CONTROL, "seed": s, "learning_rate": best["oblrpo"] * realised, "split": "test",
+        test += run_all([{**base, "method": CONTROL, "overrides": METHODS["oblrpo-no-snr"], "seed": s,
+                          "learning_rate": best["oblrpo"] * realised, "split": "test",
                           "held_out": paths["test"]} for s in test_seeds], runs_dir, "constant-rate control", jobs)
         methods.append(CONTROL)
 

@@ -53,6 +53,7 @@ from oblr_trl.baselines import (  # noqa: E402
     pooled_slope_baseline,
     shrunk_baseline,
 )
+from oblr_trl.options import OBLRPOOptions  # noqa: E402
 from oblr_trl.weights import log_sum_sq_probs, logit_proxy_weights  # noqa: E402
 
 # name → (label, weight source, kind): "loo"/"group" weighted means, "shrunk" (λ = SHRINKAGE, leave-one-out),
@@ -80,7 +81,7 @@ ORACLES = {
     "oracle_mean": "oracle E[r|q] (uniform weights, exact mean)",
     "rloo_exact_shift": "RLOO + exact (b* − p) shift",
 }
-DEFAULT_ESTIMATOR = "pooled_slope"  # OBLRPOConfig's baseline_estimator with its default logit weights
+DEFAULT_ESTIMATOR = OBLRPOOptions.baseline_estimator  # the default of OBLRPOConfig, read from it so results match
 
 
 def parse_args(argv=None):

@@ -16,7 +16,8 @@ def run(script, *args):
     return done.stdout
 
 
-@pytest.mark.parametrize("script", ["variance.py", "overhead.py", "learning.py", "synthetic_learning.py"])
+@pytest.mark.parametrize("script", ["variance.py", "overhead.py", "learning.py", "synthetic_learning.py",
+                                    "stability.py"])
 def test_help(script):
     assert "usage" in run(script, "--help")
 
@@ -125,3 +126,29 @@ def test_set_reads_numbers_in_any_notation():
     parsed = parse_overrides(["learning_rate=3e-4", "max_steps=4", "use_cpu=false", "report_to=none", "beta=1.5e-2"])
     assert parsed == {"learning_rate": 3e-4, "max_steps": 4, "use_cpu": False, "report_to": "none", "beta": 0.015}
     assert isinstance(parsed["learning_rate"], float)
+
+
+def test_stability_smoke(saved_tiny_model, tmp_path):
+    """Both parts at a tiny size: the cells, the regret paired with grpo, and a resumed grid that repeats no run."""
+    run("stability.py", "--part", "synthetic", "--methods", "grpo", "oblrpo", "--test_seeds", "3", "--steps", "4",
+        "--rates", "0.1", "1", "--bootstrap", "50", "--output_dir", str(tmp_path))
+    smollm2 = ["--part", "smollm2", "--model", str(saved_tiny_model), "--methods", "grpo", "oblrpo", "--seeds", "0",
+               "--rates", "1e-4", "1e-3", "--steps", "1", "--eval_problems", "4", "--bootstrap", "50",
+               "--output_dir", str(tmp_path)]
+    out = run("stability.py", *smollm2)
+    results = json.loads((tmp_path / "summary.json").read_text())
+    for part in (results, results["synthetic"]):
+        methods = part["methods"]
+        assert set(methods) >= {"grpo", "oblrpo"}
+        cell = methods["oblrpo"]["by_lr"]["0.001" if part is results else "1"]
+        assert {"final_acc_mean", "final_acc_ci", "auc_mean", "collapse_fraction", "seeds", "factor_range"} <= set(cell)
+        assert 0.0 <= cell["collapse_fraction"] <= 1.0 and len(cell["final_acc_ci"]) == 2
+        assert {"regret_mean", "regret_ci", "regret_minus_grpo", "regret_minus_grpo_ci"} <= set(methods["oblrpo"])
+        assert "regret_minus_grpo" not in methods["grpo"]
+    assert results["methods"]["oblrpo"]["by_lr"]["0.001"]["seeds"] == [0]
+    assert set(results["synthetic"]["methods"]) == {"grpo", "grpo-constant", "oblrpo", "oblrpo-constant"}
+    assert (tmp_path / "summary.png").exists() and "| oblrpo |" in out
+    runs_before = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "runs").iterdir()}
+    assert len(runs_before) == 1 + 2 * 2  # the untrained model, 2 methods × 2 rates
+    run("stability.py", *smollm2)
+    assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "runs").iterdir()} == runs_before

@@ -239,3 +239,26 @@ def test_calibration_state_round_trips():
     restored.load_state_dict(controller.state_dict())
     assert restored.resolved == controller.resolved and restored.factor(4) == controller.factor(4)
     assert restored.calibration.state_dict() == controller.calibration.state_dict()
+
+
+def test_two_sided_rule_contracts_when_the_snr_falls_and_never_exceeds_one_before_the_reference_resolves():
+    """The two-sided rule (`snr_lr_min_ratio` < 1) is 1 — never above — while the window fills, however clear the
+    signal gets meanwhile; once resolved it follows the SNR down, to its floor."""
+    controller = SNRLearningRateController(0.0, 0, 0.1, reference="calibrated", calibration_start=3,
+                                           calibration_steps=5, min_ratio=0.5, max_ratio=2.0)
+    rising = [0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0]  # the bound factor grows at every step before resolution
+    for value in rising:
+        assert controller.factor(8) == 1.0
+        controller.update(NoiseEstimate(value, 10.0))
+        if not controller.resolved:
+            assert controller.factor(8) == 1.0 and controller.bound_factor(8) >= snr_lr_factor(0.5, 10.0, 8)
+    for _ in range(2):
+        controller.update(NoiseEstimate(8.0, 10.0))
+    assert controller.resolved
+    reference = controller.calibration.reference(8)
+    falling = []
+    for value in [8.0, 2.0, 0.5, 0.1]:  # β = 0: the factor follows the latest estimate
+        controller.update(NoiseEstimate(value, 10.0))
+        falling.append(controller.factor(8))
+    assert falling == sorted(falling, reverse=True) and falling[-1] == 0.5  # contracts, down to the floor
+    assert falling[1] == pytest.approx(snr_lr_factor(2.0, 10.0, 8) / reference)

@@ -1,0 +1,364 @@
+"""Benchmark `stability`: does a learning-rate rule keep a run learning when the configured rate is too high?
+
+OBLR-PO's title claim is *stable* RL: the SNR-driven rate "contracts when noise dominates". Users rarely tune the
+rate of an RL run, so the question is what each method does over a grid of configured rates, from the best GRPO rate
+up to 10× (SmolLM2) or 30× (synthetic) it, against what GRPO users really run: TRL's defaults, whose scheduler decays
+the rate linearly to 0 with no warm-up.
+
+Per cell (method × configured rate), over paired seeds (same initialisation, prompts and order for every method):
+final held-out accuracy with a bootstrap 95 % interval, AUC, the fraction of seeds that **collapsed** (final held-out
+accuracy below the untrained model's), and the range of the realised SNR factor. Per method, the **regret**: the
+best mean final accuracy of any method at any rate minus this method's final accuracy, averaged over the grid's rates
+(per seed, so it can be paired), and its paired difference with `grpo`, bootstrapped over seeds. A rule with lower
+regret than GRPO loses less when the rate is wrong.
+
+Three parts, each resumable and each writing into the one summary:
+
+* ``synthetic`` — the testbed of `synthetic_learning.py` (exact gradients, 100 paired seeds, the trainer's own pure
+  functions), every method under both schedules (`constant`, and TRL's `linear`), rates 0.1 (GRPO's best) … 3.
+* ``smollm2`` — SmolLM2-135M-Instruct on a ± b (the splits and runner of `learning.py`), TRL's default schedule,
+  rates 1e-4 (GRPO's best in the learning benchmark) … 1e-3, 5 paired seeds; GRPO, the defaults and the defaults
+  before 2026-11-23 (`oblrpo-unscaled`). Each run is a fresh process kept under
+  `results/stability/runs/` (committed, so the grid can be completed across sessions).
+* ``resolve`` — one longer SmolLM2 configuration with more prompts a step, in which the calibration of the SNR
+  factor resolves, so the factor is seen acting on a real model (its trajectory is plotted).
+
+    python benchmarks/stability.py --part synthetic      # 48 cells of 100 seeds (33 min on 2 busy cores)
+    python benchmarks/stability.py --part smollm2        # 45 runs (7 min each on 2 idle cores), 2 at a time; resumes
+    python benchmarks/stability.py --part resolve        # 3 longer runs (16 completions × 60 steps); resumes
+    python benchmarks/stability.py --part summary        # rewrite the summary from what has been run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import learning  # noqa: E402
+import synthetic_learning as synthetic  # noqa: E402
+from common import RESULTS, bootstrap_ci, markdown_table, new_figure, save_figure, write_results  # noqa: E402
+
+REFERENCE = "grpo"
+TRL_SCHEDULE = {"lr_scheduler_type": "linear", "warmup_steps": 0}  # GRPOConfig's (TrainingArguments') defaults
+
+# --- the synthetic testbed -------------------------------------------------------------------------------------------
+DEFAULT = synthetic.METHODS["oblrpo"]  # OBLR-PO's defaults; the learning-rate rules below vary only the rule
+SYNTHETIC_METHODS = {
+    "grpo": synthetic.METHODS["grpo"],
+    "oblrpo": DEFAULT,
+    "oblrpo-unscaled": synthetic.METHODS["oblrpo-unscaled"],
+    "oblrpo-no-snr": replace(DEFAULT, snr=None, description="OBLR-PO's baseline (group std scaling), no SNR factor"),
+    "oblrpo-two-sided": replace(DEFAULT, min_ratio=0.5, description="calibrated factor, ratio in [0.5, 2]"),
+    "oblrpo-contract": replace(DEFAULT, min_ratio=0.25, max_ratio=1.0,
+                               description="calibrated factor, ratio in [0.25, 1]: never raises the rate"),
+    "oblrpo-absolute": replace(DEFAULT, snr="absolute", description="the paper-literal factor (the rate is η_max)"),
+}
+SYNTHETIC_RATES = [0.1, 0.3, 1.0, 3.0]
+
+# --- SmolLM2 ---------------------------------------------------------------------------------------------------------
+SMOLLM2_METHODS = {  # name -> (OBLRPOConfig overrides, None for TRL's GRPOTrainer; config changes)
+    "grpo": (None, TRL_SCHEDULE),
+    "oblrpo": ({}, TRL_SCHEDULE),
+    "oblrpo-unscaled": ({"scale_rewards": "none"}, TRL_SCHEDULE),  # the defaults before 2026-11-23
+    "oblrpo-two-sided": ({"snr_lr_min_ratio": 0.5}, TRL_SCHEDULE),
+    "grpo-constant": (None, {"lr_scheduler_type": "constant", "warmup_steps": 0}),
+}
+SMOLLM2 = {"methods": [REFERENCE, "oblrpo", "oblrpo-unscaled"], "rates": [1e-4, 3e-4, 1e-3], "seeds": [0, 1, 2, 3, 4],
+           "steps": 40, "jobs": 2}
+# more prompts a step and a longer run, so that the calibration window resolves
+RESOLVE = {"rate": 3e-4, "seed": 0, "steps": 60, "config": {"per_device_train_batch_size": 16, "num_generations": 4},
+           "methods": ["oblrpo", "grpo", "oblrpo-two-sided"]}
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--part", choices=["synthetic", "smollm2", "resolve", "summary"], default="summary")
+    parser.add_argument("--methods", nargs="+", default=None,
+                        help="methods of the part (default: all of the synthetic ones; grpo, oblrpo and "
+                        "oblrpo-unscaled on SmolLM2)")
+    parser.add_argument("--rates", type=float, nargs="+", default=None, help="the grid (default: the part's)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=None, help="SmolLM2 seeds (default 0…4)")
+    parser.add_argument("--test_seeds", type=int, default=100, help="synthetic: paired seeds")
+    parser.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default: the part's)")
+    parser.add_argument("--model", default="builtin:smollm2-135m-instruct")
+    parser.add_argument("--eval_problems", type=int, default=200)
+    parser.add_argument("--jobs", type=int, default=SMOLLM2["jobs"])
+    parser.add_argument("--bootstrap", type=int, default=10_000)
+    parser.add_argument("--output_dir", default=str(RESULTS / "stability"))
+    return parser.parse_args(argv)
+
+
+def grid_summary(cells: dict[str, dict[float, list[dict]]], resamples: int) -> dict:
+    """Per method: ``by_lr`` cells and the regret over the grid, paired with `grpo`.
+
+    ``cells[method][rate]`` is a list of runs ``{"seed", "final", "auc", "initial", "factor_min", "factor_max"}``.
+    Regret of a seed = mean over rates of (best cell mean final of any method − this seed's final); only seeds run at
+    every rate of the method count (and, for the paired difference, also at every rate of `grpo`).
+    """
+    best = max(statistics.fmean(r["final"] for r in runs)
+               for rates in cells.values() for runs in rates.values() if runs)
+
+    def regrets(method: str) -> dict[int, float]:
+        by_seed: dict[int, list[float]] = {}
+        for runs in cells[method].values():
+            for r in runs:
+                by_seed.setdefault(r["seed"], []).append(best - r["final"])
+        return {seed: statistics.fmean(v) for seed, v in by_seed.items() if len(v) == len(cells[method])}
+
+    reference = regrets(REFERENCE) if REFERENCE in cells else {}
+    summary = {}
+    for method, rates in cells.items():
+        entry = {"by_lr": {}}
+        for rate, runs in rates.items():
+            if not runs:
+                continue
+            finals, aucs = [r["final"] for r in runs], [r["auc"] for r in runs]
+            entry["by_lr"][f"{rate:.3g}"] = {
+                "final_acc_mean": statistics.fmean(finals), "final_acc_ci": bootstrap_ci(finals, resamples),
+                "auc_mean": statistics.fmean(aucs), "auc_ci": bootstrap_ci(aucs, resamples),
+                "collapse_fraction": statistics.fmean(r["final"] < r["initial"] for r in runs),
+                "seeds": [r["seed"] for r in runs],
+                "factor_range": [min(r["factor_min"] for r in runs), max(r["factor_max"] for r in runs)],
+            }
+        own = regrets(method)
+        if own:
+            entry.update(regret_mean=statistics.fmean(own.values()),
+                         regret_ci=bootstrap_ci(list(own.values()), resamples), regret_seeds=sorted(own))
+        paired = sorted(set(own) & set(reference))
+        if method != REFERENCE and paired:
+            diff = [own[s] - reference[s] for s in paired]
+            entry.update(regret_minus_grpo=statistics.fmean(diff), regret_minus_grpo_ci=bootstrap_ci(diff, resamples))
+        summary[method] = entry
+    return {"best_cell_final": best, "methods": summary}
+
+
+# --- synthetic part --------------------------------------------------------------------------------------------------
+def run_synthetic(args) -> dict:
+    import torch
+    from tqdm.auto import tqdm
+
+    torch.set_num_threads(2)
+    task = synthetic.Task(steps=args.steps or synthetic.Task.steps)
+    teacher = torch.randn(task.length, task.vocab, task.dim, generator=torch.Generator().manual_seed(12345))
+    held_out = torch.randn(256, task.dim, generator=torch.Generator().manual_seed(54321))
+    held_out_targets = synthetic.teacher_targets(task, held_out, teacher)
+    seeds = list(range(1000, 1000 + args.test_seeds))
+    rates = args.rates or SYNTHETIC_RATES
+    names = args.methods or list(SYNTHETIC_METHODS)
+    cells, curves = {}, {}
+    variants = [(name, schedule) for name in names for schedule in ("linear", "constant")]
+    with tqdm(total=len(variants) * len(rates), desc="synthetic grid (method × schedule × rate)") as bar:
+        for name, schedule in variants:
+            label = name if schedule == "linear" else f"{name}-constant"
+            cells[label], curves[label] = {}, {}
+            for rate in rates:
+                result = synthetic.run(SYNTHETIC_METHODS[name], torch.full((len(seeds),), rate), seeds, task, teacher,
+                                       held_out, held_out_targets, schedule=schedule)
+                factor = result["factor_trace"]
+                cells[label][rate] = [
+                    {"seed": seed, "final": float(result["final"][i]), "auc": float(result["auc"][i]),
+                     "initial": float(result["curve"][i, 0]), "factor_min": float(factor[i].min()),
+                     "factor_max": float(factor[i].max())}
+                    for i, seed in enumerate(seeds)
+                ]
+                curves[label][f"{rate:.3g}"] = {"held_out": result["curve"].mean(0).tolist(),
+                                                "factor": factor.mean(0).tolist()}
+                bar.update()
+    return {"task": task.__dict__, "seeds": seeds, "rates": rates, "cells": cells, "curves": curves,
+            "descriptions": {name: SYNTHETIC_METHODS[name].description for name in names}}
+
+
+# --- SmolLM2 parts ---------------------------------------------------------------------------------------------------
+def smollm2_specs(args, methods, rates, seeds, steps, extra_config=None, tag=""):
+    paths = learning.write_splits(learning.problem_splits(learning.PRESETS["cpu"]["max_operand"], args.eval_problems),
+                                  Path(args.output_dir) / "data")
+    base = {"model": args.model, "steps": steps, "train": paths["train"],
+            "threads": max(1, (os.cpu_count() or 1) // args.jobs),
+            "eval_max_new_tokens": learning.PRESETS["cpu"]["eval_max_new_tokens"], "split": "test",
+            "held_out": paths["test"], "scratch": str(Path(tempfile.gettempdir()) / "oblr-trl-stability")}
+    specs = []
+    for seed in seeds:  # seed-major, so that an interrupted grid has whole seeds for every cell
+        for rate in rates:
+            for method in methods:
+                overrides, schedule = SMOLLM2_METHODS[method]
+                config = {**learning.PRESETS["cpu"]["config"], **schedule, **(extra_config or {})}
+                specs.append({**base, "method": method + tag, "overrides": overrides, "config": config, "seed": seed,
+                              "learning_rate": rate})
+    initial = {**base, "method": "initial", "seed": 0, "learning_rate": 0.0}
+    return specs, initial
+
+
+def smollm2_cells(runs: list[dict], initial_accuracy: float) -> dict:
+    cells: dict[str, dict[float, list[dict]]] = {}
+    for r in sorted(runs, key=lambda r: (r["method"], r["learning_rate"], r["seed"])):
+        factors = [f for f in r["traces"]["snr/lr_factor"] if not math.isnan(f)] or [1.0]
+        cells.setdefault(r["method"], {}).setdefault(r["learning_rate"], []).append(
+            {"seed": r["seed"], "final": r["accuracy"], "auc": learning.auc(r), "initial": initial_accuracy,
+             "factor_min": min(factors), "factor_max": max(factors)})
+    return cells
+
+
+def cached_runs(folder: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(folder.glob("test-*.json"))]
+
+
+# --- report ----------------------------------------------------------------------------------------------------------
+def cell_table(summary: dict, rates: list[float]) -> str:
+    rows = []
+    for method, entry in summary["methods"].items():
+        regret = (f"{entry['regret_mean']:.3f} [{entry['regret_ci'][0]:.3f}, {entry['regret_ci'][1]:.3f}]"
+                  if "regret_mean" in entry else "—")
+        vs = (f"{entry['regret_minus_grpo']:+.3f} [{entry['regret_minus_grpo_ci'][0]:+.3f}, "
+              f"{entry['regret_minus_grpo_ci'][1]:+.3f}]" if "regret_minus_grpo" in entry else "—")
+        cells = []
+        for rate in rates:
+            cell = entry["by_lr"].get(f"{rate:.3g}")
+            cells.append("—" if cell is None else
+                         f"{cell['final_acc_mean']:.3f} [{cell['final_acc_ci'][0]:.3f}, {cell['final_acc_ci'][1]:.3f}]"
+                         f" · {cell['collapse_fraction']:.0%}"
+                         f" · f {cell['factor_range'][0]:.2f}–{cell['factor_range'][1]:.2f}"
+                         f" (n={len(cell['seeds'])})")
+        rows.append([method, *cells, regret, vs])
+    return markdown_table(["method", *[f"lr {r:.3g}: final [CI] · collapsed · factor" for r in rates],
+                           "regret [CI]", "regret − grpo [CI]"], rows)
+
+
+def plot(summary_sets: list[tuple[str, dict, list[float]]], resolve_runs: list[dict], output_dir: Path) -> Path:
+    panels = len(summary_sets) * 2 + (1 if resolve_runs else 0)
+    figure, axes = new_figure(panels, (5 * panels, 4.2))
+    axes = list(axes) if panels > 1 else [axes]
+    for index, (title, summary, rates) in enumerate(summary_sets):
+        final_axis, collapse_axis = axes[2 * index], axes[2 * index + 1]
+        for method, entry in summary["methods"].items():
+            present = [r for r in rates if f"{r:.3g}" in entry["by_lr"]]
+            if not present:
+                continue
+            cells = [entry["by_lr"][f"{r:.3g}"] for r in present]
+            style = "--" if method.endswith("-constant") else "-"
+            final_axis.errorbar(present, [c["final_acc_mean"] for c in cells], linestyle=style, marker="o", capsize=3,
+                                yerr=[[max(0.0, c["final_acc_mean"] - c["final_acc_ci"][0]) for c in cells],
+                                      [max(0.0, c["final_acc_ci"][1] - c["final_acc_mean"]) for c in cells]],
+                                label=method)
+            collapse_axis.plot(present, [c["collapse_fraction"] for c in cells], linestyle=style, marker="o",
+                               label=method)
+        final_axis.set(xscale="log", xlabel="configured learning rate", ylabel="final held-out accuracy (95 % CI)",
+                       title=title)
+        collapse_axis.set(xscale="log", xlabel="configured learning rate", ylabel="collapsed fraction of seeds",
+                          title=f"{title}: collapse (final < untrained)")
+        for axis in (final_axis, collapse_axis):
+            axis.grid(alpha=0.3)
+            axis.legend(fontsize=6)
+    if resolve_runs:
+        axis = axes[-1]
+        for r in resolve_runs:
+            traces = r["traces"]
+            measured = not all(math.isnan(v) for v in traces["snr/effective_lr"])  # GRPO logs no effective rate
+            effective = traces["snr/effective_lr"] if measured else traces["learning_rate"]
+            axis.plot(range(1, len(effective) + 1), effective, label=f"{r['method']} (final acc {r['accuracy']:.2f})")
+        axis.set(xlabel="optimizer step", ylabel="learning rate used",
+                 title="SmolLM2, calibration resolving: rate used")
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=7)
+    return save_figure(figure, output_dir, "summary")
+
+
+def write_summary(args) -> None:
+    output_dir = Path(args.output_dir)
+    runs_dir = output_dir / "runs"
+    synthetic_path = output_dir / "synthetic_cells.json"
+    results, sets, markdown = {}, [], ["# Stability over the configured learning rate\n", "![summary](summary.png)\n"]
+    runs = cached_runs(runs_dir) if runs_dir.exists() else []
+    initial = next((r for r in runs if r["method"] == "initial"), None)
+    grid = [r for r in runs if r["method"] in SMOLLM2_METHODS]
+    resolve_runs = [r for r in runs if r["method"].endswith(resolve_tag())]
+    if grid and initial:
+        rates = sorted({r["learning_rate"] for r in grid})
+        summary = grid_summary(smollm2_cells(grid, initial["accuracy"]), args.bootstrap)
+        results.update(summary, smollm2={"initial_accuracy": initial["accuracy"], "rates": rates,
+                                         "steps": len(grid[0]["reward"]),
+                                         "schedule": TRL_SCHEDULE})
+        sets.append(("SmolLM2-135M, a ± b", summary, rates))
+        markdown += [f"## SmolLM2-135M-Instruct (a ± b, {len(grid[0]['reward'])} steps of 8 completions, TRL's "
+                     f"linear schedule; untrained test accuracy {initial['accuracy']:.3f})\n",
+                     "Cell: final test accuracy [95 % CI] · collapsed fraction (final < untrained) · realised SNR "
+                     "factor range (n = seeds). Regret: best cell mean final minus this method's final, averaged over "
+                     "the rates, per seed; difference paired with `grpo` (bootstrap over seeds).\n",
+                     cell_table(summary, rates), ""]
+    if resolve_runs:
+        results["resolve"] = [{key: r[key] for key in ("method", "seed", "learning_rate", "accuracy")}
+                              | {"auc": learning.auc(r), "lr_factor": r["traces"]["snr/lr_factor"],
+                                 "resolved": r["traces"]["snr/resolved"],
+                                 "effective_lr": r["traces"]["snr/effective_lr"]}
+                              for r in resolve_runs]
+        rows = []
+        for r in resolve_runs:
+            factors = [f for f in r["traces"]["snr/lr_factor"] if not math.isnan(f)]
+            resolved = next((i + 1 for i, v in enumerate(r["traces"]["snr/resolved"]) if v == 1), None)
+            factor_range = f"{min(factors):.2f}–{max(factors):.2f}" if factors else "—"
+            rows.append([r["method"], r["learning_rate"], r["accuracy"], learning.auc(r), resolved or "never",
+                         factor_range, statistics.fmean(factors) if factors else "—"])
+        markdown += [f"## SmolLM2, a configuration in which the calibration resolves ({RESOLVE['config']}, "
+                     f"{RESOLVE['steps']} steps, lr {RESOLVE['rate']:g}, seed {RESOLVE['seed']})\n",
+                     markdown_table(["run", "lr", "final acc.", "AUC", "resolved at step", "factor range",
+                                     "mean factor"], rows), ""]
+    if synthetic_path.exists():
+        data = json.loads(synthetic_path.read_text())
+        cells = {m: {float(rate): runs for rate, runs in by_rate.items()} for m, by_rate in data["cells"].items()}
+        summary = grid_summary(cells, args.bootstrap)
+        results["synthetic"] = {**summary, "task": data["task"], "rates": data["rates"], "seeds": len(data["seeds"]),
+                                "descriptions": data["descriptions"], "curves": data["curves"]}
+        sets.append(("synthetic testbed", summary, data["rates"]))
+        markdown += [f"## Synthetic testbed ({len(data['seeds'])} paired seeds, {data['task']['steps']} steps; "
+                     "methods without a suffix use TRL's linear schedule, `-constant` a constant rate)\n",
+                     cell_table(summary, data["rates"]), ""]
+    if not sets and not resolve_runs:
+        raise SystemExit("nothing has been run yet: run --part synthetic, smollm2 or resolve first")
+    figure = plot(sets, resolve_runs, output_dir)
+    write_results(output_dir, "summary", results, "\n".join(markdown))
+    print("\n".join(markdown))
+    print(f"wrote {output_dir / 'summary.json'} and {figure}")
+
+
+def resolve_tag() -> str:
+    return f"@{RESOLVE['config']['per_device_train_batch_size']}x{RESOLVE['steps']}"
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    output_dir = Path(args.output_dir)
+    runs_dir = output_dir / "runs"
+    if args.part == "synthetic":
+        data = run_synthetic(args)
+        path = output_dir / "synthetic_cells.json"
+        if path.exists():  # methods run earlier on the same task, seeds and rates stay in the summary
+            earlier = json.loads(path.read_text())
+            if all(earlier[key] == data[key] for key in ("task", "seeds", "rates")):
+                for key in ("cells", "curves", "descriptions"):
+                    data[key] = {**earlier[key], **data[key]}
+        output_dir.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(data))
+    elif args.part in ("smollm2", "resolve"):
+        if args.part == "smollm2":
+            specs, initial = smollm2_specs(args, args.methods or SMOLLM2["methods"], args.rates or SMOLLM2["rates"],
+                                           args.seeds or SMOLLM2["seeds"], args.steps or SMOLLM2["steps"])
+        else:
+            specs, initial = smollm2_specs(args, args.methods or RESOLVE["methods"], args.rates or [RESOLVE["rate"]],
+                                           args.seeds or [RESOLVE["seed"]], args.steps or RESOLVE["steps"],
+                                           RESOLVE["config"], resolve_tag())
+        learning.run_all([initial], runs_dir, "untrained model", args.jobs)  # each run is a `learning.py --child`
+        learning.run_all(specs, runs_dir, f"{args.part} runs", args.jobs)
+    write_summary(args)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
