@@ -57,21 +57,24 @@ class Method:
 
 
 METHODS = {
-    "oblrpo": Method("logit", True, "none", "calibrated", estimator="pooled_slope",
-                     description="OBLR-PO defaults: pooled-slope LOO (logit weights), calibrated SNR rate in [1, 2]"),
+    "oblrpo": Method("logit", True, "group", "calibrated", estimator="pooled_slope",
+                     description="OBLR-PO defaults: pooled-slope LOO (logit weights), group std scaling (TRL's), "
+                     "calibrated SNR rate in [1, 2]"),
+    "oblrpo-unscaled": Method("logit", True, "none", "calibrated", estimator="pooled_slope",
+                              description="the defaults before 2026-11-23: as oblrpo, without std scaling"),
     "oblrpo-weighted": Method("logit", True, "none", "calibrated",
-                              description="the paper's weighted LOO baseline, calibrated SNR rate"),
+                              description="the paper's weighted LOO baseline, calibrated SNR rate, no std scaling"),
     "grpo": Method("uniform", False, "group", description="TRL's GRPO defaults: group mean, group std scaling"),
     "rloo": Method("uniform", True, "none", description="uniform leave-one-out, no scaling"),
     "opo": Method("length", False, "none", description="length-weighted whole-group baseline (verl's OPO)"),
     "oblrpo-no-snr": Method("logit", True, "none", estimator="pooled_slope",
-                            description="OBLR-PO's baseline, constant rate"),
+                            description="OBLR-PO's baseline, no std scaling, constant rate"),
     "oblrpo-absolute": Method("logit", True, "none", "absolute", estimator="pooled_slope",
-                              description="OBLR-PO with the paper-literal rate"),
+                              description="OBLR-PO with the paper-literal rate, no std scaling"),
     "oblrpo-two-sided": Method("logit", True, "none", "calibrated", 0.5, 2.0, "pooled_slope",
-                               description="calibrated, ratio in [0.5, 2]"),
+                               description="calibrated, ratio in [0.5, 2], no std scaling"),
     "oblrpo-wide": Method("logit", True, "none", "calibrated", 0.25, 4.0, "pooled_slope",
-                          description="calibrated, ratio in [0.25, 4]"),
+                          description="calibrated, ratio in [0.25, 4], no std scaling"),
     "rloo-group-scale": Method("uniform", True, "group", description="uniform LOO with group std scaling"),
     "oblrpo-group-scale": Method("logit", True, "group", estimator="pooled_slope",
                                  description="OBLR-PO's baseline with group std scaling"),
@@ -103,9 +106,14 @@ def rewards_of(tokens: torch.Tensor, targets: torch.Tensor, eos: int = 0) -> tup
     return right.float().mean(-1), mask.float()
 
 
+SCHEDULES = ("constant", "linear")  # "linear": TRL's default, the rate decays linearly to 0 over the run, no warm-up
+
+
 def run(method: Method, lrs: torch.Tensor, seeds: list[int], task: Task, teacher: torch.Tensor, held_out: torch.Tensor,
-        held_out_targets: torch.Tensor) -> dict:
+        held_out_targets: torch.Tensor, schedule: str = "constant") -> dict:
     """Train one policy per seed (side by side) and return held-out curves and learning-rate traces."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}; got {schedule!r}")
     S, T, V, D = len(seeds), task.length, task.vocab, task.dim
     n, G = task.prompts_per_step, task.group_size
     init = torch.stack([torch.randn(T, V, D + 1, generator=torch.Generator().manual_seed(seed)) * 0.05 for seed in seeds])
@@ -176,7 +184,8 @@ def run(method: Method, lrs: torch.Tensor, seeds: list[int], task: Task, teacher
                     controller.update(cross_step_noise_estimate(s_q, dot, n))
                 factors = torch.tensor([c.factor(n) for c in controllers])
             previous_grad = flat
-        lr = lrs * step_factors
+        scheduled = lrs * (1.0 - step / task.steps) if schedule == "linear" else lrs
+        lr = scheduled * step_factors
         lr_trace.append(lr)
         factor_trace.append(step_factors)
         with torch.no_grad():  # Adam, one learning rate per seed
@@ -232,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in tqdm(args.methods, desc="test seeds"):
         results[name] = evaluate(METHODS[name], best[name], test)
     if "oblrpo" in results:  # a constant rate at the default's realised mean rate: is it the adaptation or the level?
-        constant = Method("logit", True, "none", estimator="pooled_slope",
+        constant = Method("logit", True, "group", estimator="pooled_slope",
                           description="OBLR-PO's baseline at oblrpo's realised mean rate")
         realised = float(results["oblrpo"]["mean_lr"].mean())
         results["oblrpo-constant-control"] = evaluate(constant, realised, test)

@@ -296,7 +296,7 @@ def train_help() -> str:
         "Every field of TRL's GRPOConfig, transformers' TrainingArguments and trl.ModelConfig is accepted too, e.g.",
         *textwrap.wrap(", ".join(f"--{name}" for name in COMMON_FIELDS), width=110, initial_indent="  ",
                        subsequent_indent="  "),
-        "(scale_rewards defaults to 'none' here). All of them: `oblr-trl train --help-all`, or",
+        "All of them: `oblr-trl train --help-all`, or",
         "https://huggingface.co/docs/trl/grpo_trainer#trl.GRPOConfig.",
     ])
 

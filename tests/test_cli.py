@@ -97,7 +97,7 @@ def test_train_eval_plot_end_to_end(tmp_path, saved_tiny_model, capsys, monkeypa
     assert "generated `arithmetic` task: 20 problems" in card and "huggingface.co/datasets" not in card
     assert f'model="{run}"' in card  # the quick start loads this run's folder
     assert "| learning rate | 2e-05, `constant_with_warmup`" in card
-    assert "| baseline | `logit` weights, `pooled_slope` estimate, leave-one-out; scale_rewards `none` |" in card
+    assert "| baseline | `logit` weights, `pooled_slope` estimate, leave-one-out; scale_rewards `group` |" in card
     assert "| completions per step | 8 (2 prompts × 4) |" in card  # the quickstart's 4 × 2 micro-batches
     assert "| mean reward |" in card and "| optimizer steps | 2 |" in card
     assert "![training curves](training_curves.png)" in card

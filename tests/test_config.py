@@ -120,7 +120,7 @@ def test_per_sample_needs_two_samples_per_step(tmp_path):
 
 def test_defaults_follow_the_theory(tmp_path):
     config = make(tmp_path)
-    assert config.scale_rewards == "none" and GRPOConfig.scale_rewards == "group"
+    assert config.scale_rewards == GRPOConfig.scale_rewards == "group"  # measured: more robust to the rate
     assert (config.baseline_weights, config.leave_one_out, config.use_snr_lr, config.snr_estimator) == (
         "logit", True, True, "cross_step"
     )

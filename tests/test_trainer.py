@@ -82,7 +82,7 @@ def run_capturing(make_trainer, **overrides):
 CASES = [
     {"baseline_weights": "logit"},
     {"baseline_weights": "logit", "temperature": 0.7, "leave_one_out": False},
-    {"baseline_weights": "length", "scale_rewards": "group"},
+    {"baseline_weights": "length", "scale_rewards": "none"},
     {"baseline_weights": "exact"},
     {"baseline_weights": "uniform", "multi_objective_aggregation": "normalize_then_sum", "scale_rewards": "batch"},
     {"baseline_weights": "logit", "baseline_estimator": "shrunk", "baseline_shrinkage": 0.3},
@@ -103,7 +103,7 @@ def test_advantages_equal_pure_functions_of_gathered_inputs(make_trainer, overri
             per_func, torch.tensor([1.0, 0.5]), 4, overrides.get("multi_objective_aggregation", "sum_then_normalize")
         )
         expected = gradient_weighted_advantages(
-            rewards, weights, 4, overrides.get("leave_one_out", True), overrides.get("scale_rewards", "none"),
+            rewards, weights, 4, overrides.get("leave_one_out", True), overrides.get("scale_rewards", "group"),
             estimator=overrides.get("baseline_estimator", "pooled_slope"),
             shrinkage=overrides.get("baseline_shrinkage", 0.5),
             slope=slope.value,
