@@ -15,8 +15,8 @@ training sets. Every method uses the same optimizer, gradient clipping (`max_gra
 is reported), `loss_type`, KL coefficient and completions per step; only the baseline, the reward scaling and the
 learning-rate rule differ:
 
-* `oblrpo`: OBLRPOTrainer with its defaults (pooled-slope gradient-weighted baseline, no std scaling, calibrated SNR
-  learning rate);
+* `oblrpo`: OBLRPOTrainer with its defaults (pooled-slope gradient-weighted baseline, group std scaling as TRL's,
+  calibrated SNR learning rate; the committed results were measured before 2026-11-23, without std scaling);
 * `grpo`: TRL's GRPOTrainer with its defaults (group mean, group std scaling);
 * `oblrpo-no-snr`, `rloo`, `opo`: for a longer run (`--methods`). The {none, group} × {uniform, weighted} cross that
   separates scaling from baseline runs on the synthetic testbed (`synthetic_learning.py`), which has the seeds for it.
@@ -62,8 +62,9 @@ METHODS = {
     "oblrpo": {},
     "grpo": None,
     "oblrpo-no-snr": {"use_snr_lr": False},
-    "rloo": {"baseline_weights": "uniform", "baseline_estimator": "weighted", "use_snr_lr": False},
-    "opo": {"baseline_weights": "length", "baseline_estimator": "weighted", "leave_one_out": False, "use_snr_lr": False},
+    "rloo": {"baseline_weights": "uniform", "baseline_estimator": "weighted", "use_snr_lr": False, "scale_rewards": "none"},
+    "opo": {"baseline_weights": "length", "baseline_estimator": "weighted", "leave_one_out": False, "use_snr_lr": False,
+            "scale_rewards": "none"},
 }
 CONTROL = "oblrpo-constant"
 REFERENCE = "grpo"
