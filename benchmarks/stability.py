@@ -102,17 +102,20 @@ def grid_summary(cells: dict[str, dict[float, list[dict]]], resamples: int) -> d
 
     ``cells[method][rate]`` is a list of runs ``{"seed", "final", "auc", "initial", "factor_min", "factor_max"}``.
     Regret of a seed = mean over rates of (best cell mean final of any method − this seed's final); only seeds run at
-    every rate of the method count (and, for the paired difference, also at every rate of `grpo`).
+    every rate of the grid count (and, for the paired difference, also at every rate of `grpo`).
     """
     best = max(statistics.fmean(r["final"] for r in runs)
                for rates in cells.values() for runs in rates.values() if runs)
 
+    grid = {rate for rates in cells.values() for rate, runs in rates.items() if runs}
+
     def regrets(method: str) -> dict[int, float]:
+        """Per seed, over every rate of the grid (a seed not yet run at some rate has no regret yet)."""
         by_seed: dict[int, list[float]] = {}
         for runs in cells[method].values():
             for r in runs:
                 by_seed.setdefault(r["seed"], []).append(best - r["final"])
-        return {seed: statistics.fmean(v) for seed, v in by_seed.items() if len(v) == len(cells[method])}
+        return {seed: statistics.fmean(v) for seed, v in by_seed.items() if len(v) == len(grid)}
 
     reference = regrets(REFERENCE) if REFERENCE in cells else {}
     summary = {}
