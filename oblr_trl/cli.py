@@ -136,11 +136,11 @@ def split_config(argv: list[str]) -> tuple[Path, list[str]]:
     return config_path, argv[:position] + argv[position + 2:]
 
 
-def check_train_args_early(argv: list[str]) -> dict[str, object]:
+def check_train_args_early(argv: list[str]) -> tuple[Path, dict[str, object]]:
     """The mistakes of a `train` command line found without importing torch, transformers or TRL: the recipe file and
     its YAML, unknown fields and flags (where the recorded field names match the installed versions), the task, and
-    the values that `OBLRPOConfig` refuses (OBLR-PO's options, and the Trainer's numbers). Returns the raw values of
-    the recipe with the flags applied."""
+    the values that `OBLRPOConfig` refuses (OBLR-PO's options, and the Trainer's numbers). Returns the recipe's path
+    and its raw values with the flags applied."""
     from .options import TRAINER_VALUE_RULES, OBLRPOOptions, invalid_value
     from .tasks import check_task_name
     from .trainer_fields import known_trainer_fields
@@ -161,7 +161,7 @@ def check_train_args_early(argv: list[str]) -> dict[str, object]:
                 raise invalid_value(name, value, allowed)
     option_names = {f.name for f in fields(OBLRPOOptions)}
     OBLRPOOptions(**{name: _typed(value) for name, value in values.items() if name in option_names}).validate_options()
-    return values
+    return config_path, values
 
 
 def check_gpu_needs(values: dict[str, object], config_path: Path) -> None:
@@ -337,8 +337,8 @@ def train(argv: list[str]) -> int:
     # can change (GRPOTrainer prints it too), so the console leaves it out
     warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
     with reported_as_usage_errors():
-        values = check_train_args_early(argv)  # before torch, transformers and TRL load (seconds on a busy machine)
-        check_gpu_needs(values, split_config(argv)[0])
+        config_path, values = check_train_args_early(argv)  # before torch, transformers and TRL load (seconds)
+        check_gpu_needs(values, config_path)
         task_args, training_args, model_args, recipe = parse_train_args(argv)
         from . import models
         from .rewards import get_reward_funcs
