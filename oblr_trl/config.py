@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from trl import GRPOConfig
@@ -23,6 +24,43 @@ def bf16_available(use_cpu: bool) -> bool:
     from transformers.utils import is_torch_bf16_gpu_available, is_torch_xla_available
 
     return not use_cpu and (is_torch_bf16_gpu_available() or is_torch_xla_available())
+
+
+def check_backend(options: OBLRPOOptions, *, fsdp_version: int | None, deepspeed: bool, deepspeed_fp16: bool) -> None:
+    """Refuse the OBLR-PO options a distributed backend cannot honour, naming what to change.
+
+    Called twice: by `OBLRPOConfig` with the backend its fields and accelerate's environment announce (before any
+    model loads), and by the trainer with the backend accelerate really set up.
+    """
+    per_sample_grads = options.baseline_weights == "exact" or (
+        options.use_snr_lr and options.snr_estimator == "per_sample"
+    )
+    if per_sample_grads and deepspeed:
+        raise ValueError(
+            "Invalid configuration: baseline_weights='exact' and snr_estimator='per_sample' are not available under "
+            "DeepSpeed (never verified with ZeRO's partitioned parameters). Allowed with DeepSpeed: baseline_weights "
+            "in ('logit', 'length', 'uniform') and snr_estimator in ('cross_step', 'two_batch'); FSDP2 runs both."
+        )
+    if not options.use_snr_lr:
+        return
+    if deepspeed and deepspeed_fp16:
+        raise ValueError(
+            "Invalid configuration: fp16 under DeepSpeed with use_snr_lr=True. DeepSpeed's loss scale multiplies the "
+            "gradients the SNR estimator reads and is not taken off them. Use bf16 (bf16=True, fp16=False), or "
+            "use_snr_lr=False."
+        )
+    if fsdp_version == 1:
+        raise ValueError(
+            "Invalid configuration: the SNR learning-rate factor reads sharded gradients under FSDP2 only, and this "
+            "run uses FSDP version 1. Set fsdp_version: 2 (accelerate config or fsdp_config; accelerate >= 1.7), or "
+            "use_snr_lr=False."
+        )
+    if fsdp_version == 2 and options.snr_estimator == "two_batch":
+        raise ValueError(
+            "Invalid value for `snr_estimator`: 'two_batch' needs each process's micro-batch gradients, which FSDP2 "
+            "reduce-scatters before anything can read them. Allowed values under FSDP2: 'cross_step' (the default), "
+            "'per_sample'."
+        )
 
 
 @dataclass
@@ -171,6 +209,16 @@ class OBLRPOConfig(OBLRPOOptions, GRPOConfig):  # this base order keeps GRPOConf
             self.bf16 = bf16_available(self.use_cpu)
         super().__post_init__()
         self._validate_batch_layout()
+        check_backend(self, fsdp_version=self._announced_fsdp_version(), deepspeed=self.deepspeed is not None,
+                      deepspeed_fp16=bool(self.fp16))
+
+    def _announced_fsdp_version(self) -> int | None:
+        """The FSDP version this run will use, as far as the config and `accelerate launch`'s environment tell."""
+        if self.fsdp:
+            return int(self.fsdp_config.get("version", 2))  # transformers' default
+        if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+            return int(os.environ.get("FSDP_VERSION", "1"))  # accelerate's default
+        return None
 
     def _validate_trainer_values(self) -> None:
         """The GRPOConfig/TrainingArguments values that torch or the Trainer would only refuse after the model loads."""

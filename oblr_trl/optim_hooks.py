@@ -7,6 +7,8 @@ Two small pieces, each the single place that touches a training backend:
   on every trainable parameter; a hook on a leaf tensor sees the gradient of the current backward *before* it is added
   to ``.grad`` and before DDP or DeepSpeed reduce it across ranks, so each micro-batch's local gradient is observed
   without keeping a copy of the accumulated one.
+* [`sketch_gradient_shards`] sketches the rows of each gradient a process holds under FSDP2, where no hook ever sees
+  a micro-batch gradient (the parameters are sharded DTensors, the gradients are reduce-scattered into them).
 * [`StepLearningRateScale`] multiplies every param group's learning rate by a factor for the duration of one
   ``optimizer.step()`` and puts the scheduled value back afterwards. It hooks the innermost torch optimizer, which
   every backend ends up stepping, also when DeepSpeed runs the step inside ``backward``.
@@ -16,13 +18,19 @@ Two small pieces, each the single place that touches a training backend:
 from __future__ import annotations
 
 import types
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
 from .sketch import GradientSketch
 
-__all__ = ["MicroBatchGradSqNorms", "OptimizerStepGate", "StepLearningRateScale", "innermost_optimizer"]
+__all__ = [
+    "MicroBatchGradSqNorms",
+    "OptimizerStepGate",
+    "StepLearningRateScale",
+    "innermost_optimizer",
+    "sketch_gradient_shards",
+]
 
 
 class MicroBatchGradSqNorms:
@@ -63,6 +71,46 @@ class MicroBatchGradSqNorms:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+
+def sketch_gradient_shards(params: Sequence[torch.nn.Parameter], sketch: GradientSketch) -> None:
+    """Add this process's piece of every parameter's gradient to ``sketch`` (FSDP2, after the step's last backward).
+
+    FSDP2 keeps each gradient as a DTensor sharded on its first dimension over a 1-D device mesh, split the way
+    ``torch.chunk`` splits: of n rows and W processes, process r holds rows r·c … min((r+1)·c, n) with c = ⌈n/W⌉ (the
+    last processes may hold fewer rows, or none). ``params`` are in the order ``sketch`` was built for. Any other
+    layout (HSDP's 2-D mesh, tensor parallelism) raises instead of measuring a wrong gradient.
+    """
+    from torch.distributed.tensor import DTensor, Shard
+
+    for index, param in enumerate(params):
+        grad = param.grad
+        if grad is None:
+            continue
+        if not isinstance(grad, DTensor):
+            raise NotImplementedError(
+                f"parameter {index} (shape {tuple(param.shape)}) has a gradient that is not a sharded DTensor under "
+                "FSDP2: its sketch would count a local gradient as the step's. Shard every trainable parameter with "
+                "FSDP2, or set use_snr_lr=False."
+            )
+        mesh, placements = grad.device_mesh, tuple(grad.placements)
+        if mesh.ndim != 1 or placements != (Shard(0),):
+            raise NotImplementedError(
+                f"parameter {index} (shape {tuple(grad.shape)}): the SNR estimator reads FSDP2 gradients sharded on "
+                f"their first dimension over a 1-D mesh; this one is placed {placements} on a {mesh.ndim}-D mesh "
+                "(HSDP or tensor parallelism). Set use_snr_lr=False for this layout."
+            )
+        local, rows = grad.to_local(), grad.shape[0]
+        chunk = -(-rows // mesh.size())
+        start = min(mesh.get_local_rank() * chunk, rows)
+        if local.shape[0] != min(chunk, rows - start):
+            raise NotImplementedError(
+                f"parameter {index} (shape {tuple(grad.shape)}): this process holds {local.shape[0]} rows of its "
+                f"gradient where torch.chunk's split gives {min(chunk, rows - start)}; the SNR estimator cannot place "
+                "them. Set use_snr_lr=False."
+            )
+        if local.numel():
+            sketch.add(index, local, start)
 
 
 def innermost_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

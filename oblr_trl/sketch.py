@@ -8,7 +8,12 @@ sketch keeps, per parameter tensor X viewed as a matrix (a × b), the projection
     E⟨X V/√k, Y V/√k⟩ = tr(Xᵀ Y E[V Vᵀ]) / k = ⟨X, Y⟩,
 
 so the sketch's inner product is an unbiased estimate of the gradients' inner product, with relative noise of order
-1/√(k·min(a, b)) per tensor. Small tensors are kept exactly. Cost: 2k flops per gradient element (one GEMM), memory
+1/√(k·min(a, b)) per tensor. Small tensors are kept exactly.
+
+A sketch is linear in the gradient, so a tensor can also be fed in pieces along its first dimension (FSDP2 keeps rows
+r0…r1 of every gradient on each process): rows r0…r1 of X·V are the piece times V, Vᵀ·X is the sum over pieces of
+V[r0:r1]ᵀ·piece, and a 1-D tensor's piece meets the rows r0…r1 of V. Summed over the pieces, the sketch is exactly
+the one of the whole tensor, whatever the number of pieces. Cost: 2k flops per gradient element (one GEMM), memory
 min(a, b)·k per tensor: for a 4B-parameter model with k = 8, about 5 M floats.
 
 Pure torch: the trainer feeds gradients per parameter index and reads the flat sketch.
@@ -39,8 +44,9 @@ class GradientSketch:
             raise ValueError(f"rank must be >= 1; got {rank}.")
         self.rank, self.exact_below, self.seed = rank, exact_below, seed
         self._layouts: list[tuple[int, int, str]] = []  # (offset, size, how) per parameter
+        self._shapes = [torch.Size(shape) for shape in shapes]
         offset = 0
-        for shape in shapes:
+        for shape in self._shapes:
             rows, cols = self._as_matrix(shape)
             if rows * cols <= exact_below:
                 layout = (offset, rows * cols, "exact")
@@ -70,20 +76,40 @@ class GradientSketch:
             self._projections[index] = cached
         return cached
 
-    def add(self, index: int, grad: torch.Tensor) -> None:
-        """Add the sketch of parameter ``index``'s gradient ``grad`` to the running total."""
+    def add(self, index: int, grad: torch.Tensor, start: int = 0) -> None:
+        """Add the sketch of parameter ``index``'s gradient ``grad`` to the running total.
+
+        ``grad`` may be the piece of the gradient that starts at index ``start`` of its first dimension (the rows a
+        process holds under FSDP2); pieces of one gradient add up to the sketch of the whole.
+        """
         offset, size, how = self._layouts[index]
+        shape = self._shapes[index]
+        pieces, limit = (grad.shape[0], shape[0]) if len(shape) else (1, 1)
+        if grad.shape[1:] != shape[1:] or not 0 <= start <= start + pieces <= limit:
+            raise ValueError(
+                f"parameter {index}: a gradient piece of shape {tuple(grad.shape)} at row {start} does not fit the "
+                f"parameter's shape {tuple(shape)}."
+            )
         if self._total is None:
             self._total = torch.zeros(self.size, dtype=torch.float32, device=grad.device)
-        rows, cols = self._as_matrix(grad.shape)
-        matrix = grad.detach().reshape(rows, cols)
+        rows, cols = self._as_matrix(shape)
+        if len(shape) >= 2:  # a piece holds whole rows of the matrix
+            matrix, row_slice, col_slice = grad.detach().reshape(pieces, cols), slice(start, start + pieces), slice(None)
+        else:  # a 1-D tensor is one row: a piece holds some of its columns
+            matrix, row_slice, col_slice = grad.detach().reshape(1, -1), slice(0, 1), slice(start, start + pieces)
         if how == "exact":
-            part = matrix.reshape(-1).float()
+            part = matrix.float().reshape(-1)
+            first = row_slice.start * cols + (col_slice.start or 0)
+            where = slice(offset + first, offset + first + part.numel())
         elif how == "cols":
-            part = (matrix @ self._projection(index, cols, matrix)).float().reshape(-1) / math.sqrt(self.rank)
+            projection = self._projection(index, cols, matrix)[col_slice]
+            part = (matrix @ projection).float().reshape(-1) / math.sqrt(self.rank)
+            where = slice(offset + row_slice.start * self.rank, offset + row_slice.stop * self.rank)
         else:
-            part = (self._projection(index, rows, matrix).T @ matrix).float().reshape(-1) / math.sqrt(self.rank)
-        self._total[offset : offset + size] += part.to(self._total.device)
+            projection = self._projection(index, rows, matrix)[row_slice]
+            part = (projection.T @ matrix).float().reshape(-1) / math.sqrt(self.rank)
+            where = slice(offset, offset + size)
+        self._total[where] += part.to(self._total.device)
 
     def pop(self, device: torch.device) -> torch.Tensor:
         """The accumulated sketch (float32, on ``device``; zeros if nothing was added), and reset."""

@@ -33,22 +33,16 @@ from trl.trainer.utils import add_fused_lm_head, get_callable_name, get_config_m
 
 from .advantages import aggregate_rewards, gradient_weighted_advantages
 from .baselines import PooledSlope
-from .config import OBLRPOConfig
-from .optim_hooks import MicroBatchGradSqNorms, OptimizerStepGate, StepLearningRateScale, innermost_optimizer
+from .config import OBLRPOConfig, check_backend
+from .optim_hooks import OptimizerStepGate, StepLearningRateScale, innermost_optimizer
 from .generation_hooks import GenerationLogitStats
 from .ghost_norms import log_likelihood_grad_sq_norms
 from .model_card import ModelCardFacts, model_card_text
 from . import models
 from .guards import PreemptionSignal, TrainingPreempted, name_reward_errors, validate_training_data
 from .per_sample import per_sample_grad_sq_norms, row_objective
-from .sketch import GradientSketch
-from .snr import (
-    NoiseEstimate,
-    SNRLearningRateController,
-    cross_step_noise_estimate,
-    per_sample_noise_estimate,
-    two_batch_noise_estimate,
-)
+from .snr import SNRLearningRateController
+from .step_noise import StepNoiseRecorder
 from .weights import length_weights, logit_proxy_weights, loss_token_gains, uniform_weights
 
 __all__ = ["OBLRPOTrainer"]
@@ -206,25 +200,16 @@ class OBLRPOTrainer(GRPOTrainer):
         )
         # f_t of step t comes from the estimates of steps < t: under DeepSpeed the optimizer steps inside the last
         # backward, before step t's gradient norm exists, and a batch's own noise should not size its own step.
-        self._step_lr_factor = self._next_lr_factor = 1.0
+        self._step_lr_factor = 1.0
         self._step_allowed: bool | None = None
         self._step_logged = False
         self._lr_scale: StepLearningRateScale | None = None
-        self._micro_batch_norms: MicroBatchGradSqNorms | None = None
-        self._step_micro_batches = 0
-        self._step_samples = 0
-        self._step_per_sample_sq = torch.zeros((), dtype=torch.float32)
-        # cross-step estimator: the previous step's gradient (as a sketch) and the generation batches of both steps
-        self._generation_count = 0
-        self._step_generations: set[int] = set()
-        self._previous_step: tuple[torch.Tensor, set[int]] | None = None
+        self.snr_recorder: StepNoiseRecorder | None = None
         if args.use_snr_lr:
-            trainable = self._trainable_parameters()
-            sketch = None
-            if args.snr_estimator == "cross_step":
-                # DeepSpeed ZeRO-3 keeps the full shape in `ds_shape` and an empty placeholder in `shape`
-                sketch = GradientSketch([getattr(p, "ds_shape", p.shape) for p in trainable], seed=args.seed)
-            self._micro_batch_norms = MicroBatchGradSqNorms(trainable, sketch)
+            self.snr_recorder = StepNoiseRecorder(
+                self._trainable_parameters(), self.snr_controller, args.snr_estimator, self.num_generations,
+                sharded=self._is_fsdp2, seed=args.seed,
+            )
 
         # Robustness: refuse non-finite steps, stop gracefully on SIGTERM/SIGINT
         self._step_gate: OptimizerStepGate | None = None
@@ -251,14 +236,14 @@ class OBLRPOTrainer(GRPOTrainer):
     # Set-up
     # ------------------------------------------------------------------------------------------------------------
 
+    @property
+    def _is_fsdp2(self) -> bool:
+        return self.is_fsdp_enabled and getattr(self.accelerator.state.fsdp_plugin, "fsdp_version", 1) == 2
+
     def _check_supported(self, args: OBLRPOConfig) -> None:
-        per_sample_grads = args.baseline_weights == "exact" or (args.use_snr_lr and args.snr_estimator == "per_sample")
-        if per_sample_grads and (self.is_deepspeed_enabled or self.is_fsdp_enabled):
-            raise ValueError(
-                "Invalid configuration: baseline_weights='exact' and snr_estimator='per_sample' compute per-sample "
-                "gradient norms from the policy's layers directly, which needs unsharded parameters. Allowed with DeepSpeed/FSDP: "
-                "baseline_weights in ('logit', 'length', 'uniform') and snr_estimator='two_batch'."
-            )
+        fsdp_version = getattr(self.accelerator.state.fsdp_plugin, "fsdp_version", 1) if self.is_fsdp_enabled else None
+        check_backend(args, fsdp_version=fsdp_version, deepspeed=self.is_deepspeed_enabled,
+                      deepspeed_fp16=self.is_deepspeed_enabled and _deepspeed_fp16(self.accelerator, args))
         if args.baseline_weights == "exact" and self._is_vlm:
             raise ValueError(
                 "Invalid value for `baseline_weights`: 'exact' is not supported for vision-language models. Allowed "
@@ -385,8 +370,8 @@ class OBLRPOTrainer(GRPOTrainer):
         return completion_ids, logprobs
 
     def _generate_and_score_completions(self, inputs):
-        if self.model.training:
-            self._generation_count += 1
+        if self.model.training and self.snr_recorder is not None:
+            self.snr_recorder.new_generation()
         self._generation_logits = None
         reuse = self._log_sum_sq_forward is not None and not self._captures_generation_logits()
         reuse = reuse and self._trl_computes_old_logps()
@@ -513,11 +498,22 @@ class OBLRPOTrainer(GRPOTrainer):
                     )
             except NotImplementedError as error:
                 self._ghost_norms_unsupported = str(error)
+                self._refuse_parameter_gradients_under_fsdp2(str(error))
                 warnings.warn(
                     f"{error} Per-sample gradient norms fall back to one backward per completion for this model "
                     "(correct, slower)."
                 )
         return self._looped_grad_sq_norms(batch, token_scale, size)
+
+    def _refuse_parameter_gradients_under_fsdp2(self, reason: str) -> None:
+        """The per-row fallback differentiates with respect to the parameters, which FSDP2 holds as shards outside
+        the autograd graph: under FSDP2 it would measure nothing, so it is refused instead."""
+        if self._is_fsdp2:
+            raise NotImplementedError(
+                f"{reason} Under FSDP2 per-sample gradient norms come only from the ghost norms (the per-row fallback "
+                "needs unsharded parameters). Use baseline_weights='logit' and snr_estimator='cross_step' (the "
+                "defaults) for this model under FSDP2."
+            )
 
     def _looped_grad_sq_norms(self, batch: dict[str, Any], token_scale: torch.Tensor, size: int) -> torch.Tensor:
         """The same norms through the model's own forward (TRL's), one backward per completion: any architecture."""
@@ -602,21 +598,18 @@ class OBLRPOTrainer(GRPOTrainer):
         return result
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        training = self.model.training and torch.is_grad_enabled() and self._micro_batch_norms is not None
-        per_sample = training and self.args.snr_estimator == "per_sample"
+        recorder = self.snr_recorder if self.model.training and torch.is_grad_enabled() else None
+        per_sample = recorder is not None and self.args.snr_estimator == "per_sample"
         if per_sample:
             self._loss_outputs = ()
         try:
             loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
             if per_sample:
-                self._step_per_sample_sq = self._step_per_sample_sq.to(loss.device) + self._per_row_grad_sq(loss, inputs)
+                recorder.add_per_sample_sq(self._per_row_grad_sq(loss, inputs))
         finally:
             self._loss_outputs = None
-        if training:
-            self._step_generations.add(self._generation_count)
-            self._step_micro_batches += 1
-            self._step_samples += inputs["completion_ids"].size(0)
-            self._micro_batch_norms.active = True  # the backward that follows is the training one
+        if recorder is not None:
+            recorder.start_backward(inputs["completion_ids"].size(0))
         if self.model.training and torch.is_grad_enabled():
             self._step_loss_finite = self._step_loss_finite.to(loss.device) & torch.isfinite(loss.detach()).all()
         return loss
@@ -632,6 +625,7 @@ class OBLRPOTrainer(GRPOTrainer):
         grads = dict(zip(map(id, outputs), torch.autograd.grad(loss, outputs, retain_graph=True, allow_unused=True)))
         if entropies is None or grads.get(id(entropies)) is None:
             return self._per_sample_grad_sq_norms(inputs, grads[id(log_probs)].detach()).sum()
+        self._refuse_parameter_gradients_under_fsdp2("The loss depends on the entropies (an entropy term).")
         pairs = [(o, grads[id(o)]) for o in outputs if grads[id(o)] is not None]
         objective = row_objective([o for o, _ in pairs], [g for _, g in pairs])
         norms = per_sample_grad_sq_norms(objective, log_probs.size(0), self._trainable_parameters(), retain_graph=True)
@@ -641,101 +635,25 @@ class OBLRPOTrainer(GRPOTrainer):
         try:
             return super().training_step(model, inputs, num_items_in_batch)
         finally:
-            if self._micro_batch_norms is not None:
-                self._micro_batch_norms.active = False
+            if self.snr_recorder is not None:
+                self.snr_recorder.end_backward()
+
+    def _clip_grad_norm(self, model):
+        if self.snr_recorder is not None:
+            self.snr_recorder.read_shards(model.parameters())  # FSDP2: before clipping rescales the gradients
+        return super()._clip_grad_norm(model)
 
     def _get_grad_norm(self, model, grad_norm=None):
+        if self.snr_recorder is not None and grad_norm is None:
+            self.snr_recorder.read_shards(model.parameters())  # FSDP2 without clipping (max_grad_norm=0)
         grad_norm = super()._get_grad_norm(model, grad_norm=grad_norm)
         self._step_grad_norm_finite = grad_norm is None or math.isfinite(float(grad_norm))
-        if self._micro_batch_norms is not None:
-            self._record_noise_estimate(float(grad_norm))
+        if self.snr_recorder is not None:
+            self.snr_recorder.finish_step(
+                float(grad_norm), lambda stats: self.accelerator.reduce(stats, reduction="sum"),
+                self.accelerator.device, self.accelerator.num_processes, self._loss_scale(), self._metrics["train"],
+            )
         return grad_norm
-
-    def _record_noise_estimate(self, grad_norm: float) -> None:
-        """Measure ‖μ‖² and tr Σ of the step that just finished and set the factor of the next one.
-
-        Scales (W processes, K micro-batches h_k in all, N samples): the optimizer's gradient is G_N = (1/W) Σ_k h_k,
-        so the micro-batch estimate of the same mean is (K/W)·h_k and |G_b|² = K Σ_k ‖h_k‖² / W², with b = N/K.
-        Per-sample: the estimate from row i is (N/W)·c_i, with c_i its contribution to Σ_k h_k. Cross-step: the
-        sketch of G_N is the sum of the processes' sketches of their Σ_k h_k, over W. The hooks see the gradients
-        before the fp16 loss scale S is taken off: norms are divided by S², sketches by S.
-        """
-        device = self.accelerator.device
-        norms = self._micro_batch_norms
-        stats = torch.stack(
-            [
-                norms.pop(device),
-                torch.tensor(float(self._step_micro_batches), device=device),
-                torch.tensor(float(self._step_samples), device=device),
-                self._step_per_sample_sq.to(device),
-            ]
-        )
-        if norms.sketch is not None:  # one collective for the scalars and the sketch
-            stats = torch.cat([stats, norms.sketch.pop(device)])
-        self._step_micro_batches, self._step_samples = 0, 0
-        self._step_per_sample_sq = torch.zeros((), dtype=torch.float32)
-        reduced = self.accelerator.reduce(stats, reduction="sum")
-        micro_sq, micro_batches, samples, per_sample_sq = reduced[:4].tolist()
-        processes = self.accelerator.num_processes
-        loss_scale = self._loss_scale()
-        micro_sq /= loss_scale**2
-        full_sq = grad_norm**2
-        if micro_batches >= 1 and micro_sq == 0.0 and full_sq > 0.0:
-            raise RuntimeError(
-                "The SNR estimator saw no micro-batch gradient although the step gradient is not zero: this backend "
-                f"({self.accelerator.distributed_type}) does not route gradients through the parameters' hooks (FSDP "
-                "shards them). Set use_snr_lr=False to train without the SNR learning-rate factor."
-            )
-        metrics = self._metrics["train"]
-        metrics["snr/full_batch_grad_sq_norm"].append(full_sq)
-        units = samples  # what N counts in f = N·SNR/(1 + N·SNR): completions, or prompts for cross_step
-
-        two_batch = None
-        if micro_batches >= 2:
-            two_batch = two_batch_noise_estimate(
-                micro_batches * micro_sq / processes**2, samples / micro_batches, full_sq, samples
-            )
-            metrics["snr/small_batch_grad_sq_norm"].append(micro_batches * micro_sq / processes**2)
-        if self.args.snr_estimator == "per_sample":
-            estimate = per_sample_noise_estimate((samples / processes) ** 2 * per_sample_sq, full_sq, samples)
-        elif self.args.snr_estimator == "cross_step":
-            units = samples / self.num_generations
-            estimate = self._cross_step_estimate(reduced[4:] / (processes * loss_scale), full_sq, units)
-        else:
-            estimate = two_batch if two_batch is not None else NoiseEstimate(float("nan"), float("nan"))
-        if two_batch is not None and self.args.snr_estimator != "two_batch":
-            metrics["snr/two_batch/grad_sq_norm"].append(two_batch.grad_sq_norm)
-            metrics["snr/two_batch/trace_cov"].append(two_batch.trace_cov)
-
-        if estimate is not None and self.snr_controller.update(estimate):
-            metrics["snr/grad_sq_norm"].append(estimate.grad_sq_norm)
-            metrics["snr/trace_cov"].append(estimate.trace_cov)
-        controller = self.snr_controller
-        metrics["snr/skipped_steps"].append(float(controller.skipped))
-        snr = controller.snr
-        metrics["snr/grad_sq_norm_ema"].append(controller.grad_sq_norm.value)
-        metrics["snr/trace_cov_ema"].append(controller.trace_cov.value)
-        metrics["snr/snr"].append(snr if math.isfinite(snr) else float("nan"))
-        metrics["snr/noise_scale"].append(1.0 / snr if math.isfinite(snr) and snr > 0 else float("nan"))
-        metrics["snr/bound_factor"].append(controller.bound_factor(units))
-        metrics["snr/resolved"].append(float(controller.resolved))
-        if self.args.snr_lr_reference == "calibrated":
-            if math.isfinite(controller.calibration.t_statistic):
-                metrics["snr/calibration_t"].append(controller.calibration.t_statistic)
-            if controller.calibration.resolved:
-                metrics["snr/reference_factor"].append(controller.calibration.reference(units))
-        self._next_lr_factor = controller.factor(units)
-
-    def _cross_step_estimate(self, sketch: torch.Tensor, full_sq: float, groups: float) -> NoiseEstimate | None:
-        """Pair this step's gradient sketch with the previous step's when their generation batches are disjoint."""
-        generations, self._step_generations = self._step_generations, set()
-        previous, self._previous_step = self._previous_step, None
-        if bool(torch.isfinite(sketch).all()):
-            self._previous_step = (sketch, generations)
-        if previous is None or previous[1] & generations:
-            return None  # no independent pair: not an estimate, and not a failed one
-        dot = float(torch.dot(sketch, previous[0].to(sketch.device)))
-        return cross_step_noise_estimate(full_sq, dot, groups)
 
     def _loss_scale(self) -> float:
         """The fp16 loss scale the micro-batch gradients were multiplied by (1 without one)."""
@@ -755,7 +673,7 @@ class OBLRPOTrainer(GRPOTrainer):
         for hooks in (self._step_gate, self._lr_scale):
             if hooks is not None:
                 hooks.remove()
-        if self._micro_batch_norms is not None:
+        if self.snr_recorder is not None:
             self._lr_scale = StepLearningRateScale(optimizer, lambda: self._step_lr_factor, self._log_lr_factor)
         if self.args.skip_nonfinite_steps:
             self._step_gate = OptimizerStepGate(optimizer, self._optimizer_step_allowed, self._log_skipped_step)
@@ -766,7 +684,7 @@ class OBLRPOTrainer(GRPOTrainer):
         return optimizer
 
     def _begin_optimizer_step(self) -> None:
-        self._step_lr_factor = self._next_lr_factor
+        self._step_lr_factor = self.snr_recorder.next_factor if self.snr_recorder is not None else 1.0
         self._step_loss_finite = torch.ones((), dtype=torch.bool)
         self._step_grad_norm_finite = True
         # DeepSpeed's ZeRO optimizers call the torch optimizer's step once per param group: decide and log once
@@ -890,15 +808,11 @@ class OBLRPOTrainer(GRPOTrainer):
         if self._preempted_at_step is not None:
             self._keep_one_preemption_checkpoint(folder)
         state: dict[str, Any] = {"pooled_slope": self.pooled_slope.state_dict()}
-        if self._micro_batch_norms is not None:
-            state |= {
-                "snr_controller": self.snr_controller.state_dict(),
-                "next_lr_factor": self._next_lr_factor,
-                "generation_count": self._generation_count,
-            }
-            if self._previous_step is not None:
-                sketch, generations = self._previous_step
-                torch.save({"sketch": sketch.cpu(), "generations": sorted(generations)}, folder / SKETCH_FILE)
+        if self.snr_recorder is not None:
+            state |= self.snr_recorder.state_dict()
+            previous_sketch = self.snr_recorder.previous_sketch_state()
+            if previous_sketch is not None:
+                torch.save(previous_sketch, folder / SKETCH_FILE)
         (folder / STATE_FILE).write_text(json.dumps(state, indent=2))
 
     def _keep_one_preemption_checkpoint(self, newest: Path) -> None:
@@ -927,15 +841,21 @@ class OBLRPOTrainer(GRPOTrainer):
         state = json.loads(Path(path).read_text())
         if "pooled_slope" in state:
             self.pooled_slope.load_state_dict(state["pooled_slope"])
-        if self._micro_batch_norms is None or "snr_controller" not in state:
+        if self.snr_recorder is None or "snr_controller" not in state:
             return
-        self.snr_controller.load_state_dict(state["snr_controller"])
-        self._next_lr_factor = float(state["next_lr_factor"])
-        self._generation_count = int(state.get("generation_count", 0))
+        self.snr_recorder.load_state_dict(state)
         sketch_path = os.path.join(checkpoint, SKETCH_FILE)
         if os.path.exists(sketch_path):
-            saved = torch.load(sketch_path, weights_only=True)
-            self._previous_step = (saved["sketch"].to(self.accelerator.device), set(saved["generations"]))
+            self.snr_recorder.load_previous_sketch_state(torch.load(sketch_path, weights_only=True),
+                                                         self.accelerator.device)
+
+
+def _deepspeed_fp16(accelerator, args: OBLRPOConfig) -> bool:
+    """Whether DeepSpeed runs this job in fp16: the Trainer's fp16, or `fp16.enabled` set in DeepSpeed's own config
+    (the Trainer has resolved "auto" to its fp16 by now)."""
+    plugin = accelerator.state.deepspeed_plugin
+    enabled = (plugin.deepspeed_config.get("fp16") or {}).get("enabled", False) if plugin is not None else False
+    return bool(args.fp16) or enabled is True
 
 
 def _plain(value) -> str:

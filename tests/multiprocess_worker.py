@@ -3,6 +3,12 @@
 Completions are a deterministic function of (prompt, position in its group, generation round), and TRL's shuffle of
 the generation batch is turned off, so a 1-process and a 2-process run see the same completions and the same
 micro-batches; only the process layout differs. Rank 0 writes what the trainer computed to a JSON file.
+
+`--fsdp2` shards the policy with FSDP2 through accelerate's own `fsdp2_prepare_model` (transformer layers, then the
+root, as `recipes/accelerate_configs/fsdp.yaml` asks). accelerate sets FSDP up only for GPU-like devices and falls
+back to DDP on a CPU; `allow_fsdp_on_cpu` lifts that one refusal, so everything after it (wrapping, gradient
+accumulation without sync, clipping of DTensor gradients, the optimizer on shards) is accelerate's and torch's real
+FSDP2 path over gloo.
 """
 
 import argparse
@@ -25,6 +31,32 @@ from oblr_trl import OBLRPOConfig, OBLRPOTrainer  # noqa: E402
 from oblr_trl.testing import tiny_causal_lm, tiny_tokenizer  # noqa: E402
 
 grpo_trainer.shuffle_sequence_dict = lambda batch: batch  # micro-batches follow the order of the generation batch
+
+
+def allow_fsdp_on_cpu():
+    """Let accelerate set up the FSDP plugin it is given on a multi-process CPU run (it keeps DDP there otherwise)."""
+    import accelerate.state as state
+    from accelerate.utils import DistributedType
+
+    original = state.AcceleratorState.__init__
+
+    def init(self, *args, fsdp_plugin=None, **kwargs):
+        original(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
+        if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
+            state.PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+            self.distributed_type, self.fsdp_plugin = DistributedType.FSDP, fsdp_plugin
+
+    state.AcceleratorState.__init__ = init
+
+
+def parameter_summary(model) -> list[list[float]]:
+    """Per trainable parameter: sum and sum of squares of the whole (gathered) tensor, on every rank."""
+    summary = []
+    for param in model.parameters():
+        if param.requires_grad:
+            full = param.full_tensor() if hasattr(param, "full_tensor") else param
+            summary.append([full.double().sum().item(), full.double().square().sum().item()])
+    return summary
 
 
 class DeterministicTrainer(OBLRPOTrainer):
@@ -68,7 +100,23 @@ def main():
     parser.add_argument("--baseline_weights", default="logit")
     parser.add_argument("--snr_estimator", default="two_batch")
     parser.add_argument("--snr_lr_reference", default="absolute")
+    parser.add_argument("--max_grad_norm", type=float, default=1.0)
+    parser.add_argument("--fsdp2", action="store_true")
+    parser.add_argument("--sketch_first_shard_only", action="store_true",
+                        help="FSDP2: only rank 0 sketches its rows (the sum over shards dropped), for the negative test")
     args = parser.parse_args()
+    if args.sketch_first_shard_only:
+        import oblr_trl.step_noise as step_noise
+
+        sketch_all = step_noise.sketch_gradient_shards
+        step_noise.sketch_gradient_shards = lambda params, sketch: (
+            sketch_all(params, sketch) if int(os.environ["RANK"]) == 0 else None
+        )
+    fsdp = {}
+    if args.fsdp2:
+        allow_fsdp_on_cpu()
+        fsdp = {"fsdp": "full_shard", "fsdp_config": {"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
+                                                      "reshard_after_forward": True}}
 
     tokenizer = tiny_tokenizer()
     config = OBLRPOConfig(
@@ -91,7 +139,9 @@ def main():
         snr_estimator=args.snr_estimator,
         snr_lr_reference=args.snr_lr_reference,
         shuffle_dataset=False,
+        max_grad_norm=args.max_grad_norm,
         seed=0,
+        **fsdp,
     )
     trainer = DeterministicTrainer(
         model=tiny_causal_lm(tokenizer),
@@ -101,11 +151,13 @@ def main():
         processing_class=tokenizer,
     )
     trainer.train()
+    parameters = parameter_summary(trainer.model_wrapped)
     if trainer.accelerator.is_main_process:
         keys = ("snr/grad_sq_norm", "snr/trace_cov", "snr/lr_factor", "snr/effective_lr", "grad_norm", "loss")
         steps = [{k: h.get(k) for k in keys} for h in trainer.state.log_history if "loss" in h]
         with open(args.output, "w") as f:
-            json.dump({"processes": trainer.accelerator.num_processes, "batches": trainer.gathered, "steps": steps}, f)
+            json.dump({"processes": trainer.accelerator.num_processes, "batches": trainer.gathered, "steps": steps,
+                       "distributed_type": str(trainer.accelerator.distributed_type), "parameters": parameters}, f)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@ import pytest
 from trl import GRPOConfig
 
 from oblr_trl import OBLRPOConfig, OBLRPOTrainer
+from oblr_trl.config import check_backend
+from oblr_trl.options import OBLRPOOptions
 
 
 def make(tmp_path, **kwargs):
@@ -173,3 +175,53 @@ def test_every_new_field_is_documented():
         if f.name in new or f.name == "scale_rewards":
             assert len(f.metadata.get("help", "")) > 40, f.name
             assert f.name in OBLRPOConfig.__doc__, f.name
+
+
+@pytest.mark.parametrize(
+    "options, backend, message",
+    [
+        ({}, {"fsdp_version": 1}, "FSDP2 only.*fsdp_version: 2.*use_snr_lr=False"),
+        ({"snr_estimator": "two_batch"}, {"fsdp_version": 2}, "two_batch.*Allowed values under FSDP2: 'cross_step'"),
+        ({}, {"deepspeed": True, "deepspeed_fp16": True}, "fp16 under DeepSpeed.*Use bf16"),
+        ({"use_snr_lr": False, "baseline_weights": "exact"}, {"deepspeed": True}, "not available under DeepSpeed"),
+        ({"snr_estimator": "per_sample"}, {"deepspeed": True}, "not available under DeepSpeed"),
+    ],
+    ids=["fsdp1", "fsdp2-two_batch", "deepspeed-fp16", "deepspeed-exact", "deepspeed-per_sample"],
+)
+def test_backend_conflicts_are_refused_naming_the_way_out(options, backend, message):
+    config = OBLRPOOptions(**options)
+    with pytest.raises(ValueError, match=message):
+        check_backend(config, **{"fsdp_version": None, "deepspeed": False, "deepspeed_fp16": False, **backend})
+
+
+@pytest.mark.parametrize(
+    "options, backend",
+    [
+        ({}, {"fsdp_version": 2}),  # the defaults under FSDP2
+        ({"baseline_weights": "exact", "snr_estimator": "per_sample"}, {"fsdp_version": 2}),
+        ({"use_snr_lr": False}, {"fsdp_version": 1}),
+        ({"use_snr_lr": False}, {"deepspeed": True, "deepspeed_fp16": True}),
+        ({}, {"deepspeed": True}),  # bf16 / fp32 DeepSpeed with the defaults
+    ],
+)
+def test_backends_take_the_options_they_can_honour(options, backend):
+    check_backend(OBLRPOOptions(**options), **{"fsdp_version": None, "deepspeed": False, "deepspeed_fp16": False, **backend})
+
+
+def test_the_fsdp_version_accelerate_launch_announces_is_checked_before_any_model_loads(tmp_path, monkeypatch):
+    """`accelerate launch --config_file fsdp.yaml` announces FSDP in the environment; the config refuses what that
+    backend cannot run, before the trainer (and the model) exist."""
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "1")
+    with pytest.raises(ValueError, match="FSDP2 only"):
+        OBLRPOConfig(tmp_path, use_cpu=True)
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    with pytest.raises(ValueError, match="'two_batch' needs each process's micro-batch gradients"):
+        OBLRPOConfig(tmp_path, use_cpu=True, snr_estimator="two_batch", gradient_accumulation_steps=2)
+    assert OBLRPOConfig(tmp_path, use_cpu=True).snr_estimator == "cross_step"
+
+
+def test_the_fsdp_version_of_the_trainer_arguments_is_checked(tmp_path):
+    with pytest.raises(ValueError, match="uses FSDP version 1"):
+        OBLRPOConfig(tmp_path, use_cpu=True, fsdp=True, fsdp_config={"version": 1})
+    assert OBLRPOConfig(tmp_path, use_cpu=True, fsdp=True, fsdp_config={"version": 1}, use_snr_lr=False).fsdp

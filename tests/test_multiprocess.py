@@ -30,7 +30,7 @@ def launch(tmp_path, processes, gradient_accumulation_steps, options):
         "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(WORKER),
         "--output", str(output), "--per_device_train_batch_size", "2",
         "--gradient_accumulation_steps", str(gradient_accumulation_steps),
-        *[item for key, value in options.items() for item in (f"--{key}", str(value))],
+        *[item for key, value in options.items() for item in ((f"--{key}",) if value is True else (f"--{key}", str(value)))],
     ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -327,10 +327,10 @@ def test_micro_batch_norms_see_each_local_gradient_before_accumulation():
 
 
 def test_unobservable_micro_batch_gradients_fail_loudly(make_trainer):
-    """As under FSDP, where the hooked (sharded) parameters never see a micro-batch gradient: an error, not a factor
-    computed from nothing."""
+    """A backend whose hooked parameters never see a micro-batch gradient (as under FSDP before the recorder read its
+    shards): an error, not a factor computed from nothing."""
     trainer = make_trainer(max_steps=1)
-    trainer._micro_batch_norms.remove()
+    trainer.snr_recorder.hooks.remove()
     with pytest.raises(RuntimeError, match="saw no micro-batch gradient.*use_snr_lr=False"):
         trainer.train()
 
@@ -342,13 +342,13 @@ def test_one_decision_and_one_log_per_step_when_the_optimizer_steps_once_per_par
     trainer.create_optimizer()
     optimizer = innermost_optimizer(trainer.optimizer)
     assert len(optimizer.param_groups) == 2  # decay / no decay, as the Trainer builds them
-    trainer._next_lr_factor = 0.5
+    trainer.snr_recorder.next_factor = 0.5
     trainer._begin_optimizer_step()
     optimizer.step()
     optimizer.step()
     assert trainer._metrics["train"]["snr/lr_factor"] == [0.5]
 
-    trainer._next_lr_factor = float("nan")
+    trainer.snr_recorder.next_factor = float("nan")
     trainer._begin_optimizer_step()
     optimizer.step()
     trainer._step_lr_factor = 0.5  # the decision was taken at the step's first call and holds for the whole step

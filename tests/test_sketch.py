@@ -1,5 +1,6 @@
 """The gradient sketch behind the cross-step SNR estimator: unbiased, accurate, the same on every process."""
 
+import pytest
 import torch
 
 from oblr_trl.sketch import GradientSketch
@@ -47,3 +48,38 @@ def test_sketches_add_up_across_micro_batches_and_processes():
     together = _sketch_of(GradientSketch(shapes, seed=5), [sum(parts)])
     separately = sum(_sketch_of(GradientSketch(shapes, seed=5), [p]) for p in parts)  # a fresh object per "process"
     torch.testing.assert_close(together, separately, rtol=1e-5, atol=1e-4)
+
+
+def test_pieces_along_the_first_dimension_add_up_to_the_sketch_of_the_whole_gradient():
+    """FSDP2 keeps rows r0…r1 of each gradient on a process (torch.chunk's uneven split): every layout (kept
+    exactly, X·V, Vᵀ·X, a 1-D tensor projected or kept) sketched in pieces equals the sketch of the whole."""
+    shapes = [torch.Size([3, 4]), torch.Size([50, 300]), torch.Size([300, 20]), torch.Size([5000]), torch.Size([7]),
+              torch.Size([])]
+    generator = torch.Generator().manual_seed(3)
+    x = [torch.randn(s, generator=generator) for s in shapes]
+    whole = _sketch_of(GradientSketch(shapes, rank=4, exact_below=100, seed=7), x)
+    for processes in (2, 3):
+        total = torch.zeros_like(whole)
+        for rank in range(processes):  # a fresh object per process, as on separate ranks
+            sketch = GradientSketch(shapes, rank=4, exact_below=100, seed=7)
+            for index, tensor in enumerate(x):
+                if tensor.dim() == 0:
+                    if rank == 0:
+                        sketch.add(index, tensor)
+                    continue
+                chunks = torch.chunk(tensor, processes)
+                if rank < len(chunks):
+                    sketch.add(index, chunks[rank], start=sum(len(c) for c in chunks[:rank]))
+            total += sketch.pop(torch.device("cpu"))
+        torch.testing.assert_close(total, whole, rtol=1e-5, atol=1e-4)
+    one_piece = GradientSketch(shapes, rank=4, exact_below=100, seed=7)
+    for index, tensor in enumerate(x):
+        if tensor.dim():
+            one_piece.add(index, torch.chunk(tensor, 2)[0])
+    assert not torch.allclose(one_piece.pop(torch.device("cpu")), whole, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("shape, start", [((3, 4), 8), ((3, 5), 0), ((2, 4), -1)])
+def test_a_piece_that_does_not_fit_its_parameter_is_refused(shape, start):
+    with pytest.raises(ValueError, match="does not fit"):
+        GradientSketch([torch.Size([10, 4])]).add(0, torch.ones(shape), start=start)

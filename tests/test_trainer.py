@@ -473,6 +473,19 @@ def test_a_layer_the_ghost_norms_do_not_know_falls_back_to_exact_per_row_norms(m
     assert torch.allclose(used, reference, rtol=1e-4)
 
 
+def test_under_fsdp2_a_layer_the_ghost_norms_do_not_know_is_an_error_naming_it(make_trainer, tokenizer, monkeypatch):
+    """The per-row fallback differentiates with respect to the parameters, which FSDP2 keeps as shards outside the
+    graph: there it would measure nothing, so the layer is named and the defaults are offered instead."""
+    from oblr_trl.testing import tiny_causal_lm
+
+    model = tiny_causal_lm(tokenizer)
+    model.model.norm = torch.nn.LayerNorm(model.config.hidden_size)
+    trainer = make_trainer(model=model, baseline_weights="exact", max_steps=1)
+    monkeypatch.setattr(OBLRPOTrainer, "_is_fsdp2", True)
+    with pytest.raises(NotImplementedError, match=r"model.norm` \(LayerNorm\).*Under FSDP2.*baseline_weights='logit'"):
+        trainer.train()
+
+
 @pytest.mark.parametrize(("loss_type", "expected"), [("dapo", [3.0, 2.0]), ("grpo", [1 / 3, 1 / 2]), ("sapo", [1 / 3, 1 / 2])])
 def test_weights_take_the_loss_types_per_completion_gain(make_trainer, loss_type, expected):
     """Under a per-completion token mean each token's gradient is divided by L_i, so a token-sum weight by L_i²:
