@@ -89,17 +89,20 @@ def build_trainer(
                        train_dataset=train_dataset, callbacks=list(callbacks), peft_config=peft_config)
 
 
-def run_in_subprocesses(script: str, specs: list[dict], description: str, jobs: int = 1, on_result=None) -> list[dict]:
+def run_in_subprocesses(script: str, specs: list[dict], description: str, jobs: int = 1, on_result=None,
+                        launcher: list[str] | None = None) -> list[dict]:
     """Run ``script --child <spec>`` once per spec, each in a fresh process, ``jobs`` at a time, and collect their
     RESULT lines in the order of ``specs``. More than one job only where runs do not time each other (a GPU with room
     for several small models, or runs that report no timings); the first failure cancels the runs not yet started.
-    ``on_result(spec, result)`` is called as each run finishes (to keep it if a later run fails)."""
+    ``on_result(spec, result)`` is called as each run finishes (to keep it if a later run fails). ``launcher``: the
+    command that starts the script instead of the Python interpreter (``torchrun``-like: only one process prints)."""
     from concurrent.futures import ThreadPoolExecutor, as_completed
 
     from tqdm.auto import tqdm
 
     def run(spec: dict) -> dict:
-        done = subprocess.run([sys.executable, script, "--child", json.dumps(spec)], capture_output=True, text=True)
+        command = [*(launcher or [sys.executable]), script, "--child", json.dumps(spec)]
+        done = subprocess.run(command, capture_output=True, text=True)
         lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
         if done.returncode != 0 or not lines:
             raise RuntimeError(f"run {spec} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
@@ -153,7 +156,9 @@ def parse_overrides(items: list[str]) -> dict:
 
 
 def child_main(run_child, child_spec: str) -> int:
-    print("RESULT " + json.dumps(run_child(json.loads(child_spec))))
+    result = run_child(json.loads(child_spec))
+    if os.environ.get("RANK", "0") == "0":  # one RESULT line from a multi-process launch
+        print("RESULT " + json.dumps(result))
     return 0
 
 

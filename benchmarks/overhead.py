@@ -2,18 +2,27 @@
 
 Every variant trains the same model on the same data with the same seeds. Completion lengths are fixed (EOS is held
 back until `max_completion_length`) so that every step of every variant processes the same number of tokens and a
-difference in time is the trainer's own. Each (variant, repeat) runs in a fresh process, interleaved
-(A B C … A B C …); per run, the median of the timed steps (after warm-up steps); per variant, the median over runs
-with min–max, and the ratio to GRPO per repeat. Peak memory: resident set size (CPU) or peak allocated (GPU).
+difference in time is the trainer's own. Each (variant, repeat) runs in a fresh process. The order alternates
+between repeats (A B C, C B A, A B C, …; A B B A … for two variants): whichever runs first in a repeat runs slower on
+a small machine (a fixed order gave OBLR-PO 0.90× or 1.07× GRPO's step time depending on which went first), and
+alternating puts every variant first equally often. Per run, the median of the timed steps (after warm-up steps); per
+variant, the median over runs, and the paired ratio to GRPO in each repeat: its mean with a 95 % bootstrap interval
+over repeats (and min–max). Peak memory: resident set size (CPU, per process) or peak allocated (GPU).
 
     python benchmarks/overhead.py                       # quickstart size on CPU
     python benchmarks/overhead.py --max_completion_length 128 --name overhead_long
+    python benchmarks/overhead.py --fsdp2_cpu_processes 2 --variants grpo oblrpo --name overhead_fsdp2_cpu
     python benchmarks/overhead.py --preset gpu          # Qwen3-4B-Base, LoRA, one GPU
+
+``--fsdp2_cpu_processes N`` runs every variant (GRPO included) under the same FSDP2 wrapping over N CPU processes
+(torchrun, gloo, accelerate's own `fsdp2_prepare_model`; `oblr_trl.testing.allow_fsdp_on_cpu` lifts accelerate's
+CPU refusal), one thread per process.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import threading
@@ -23,6 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     RESULTS,
+    bootstrap_ci,
     build_trainer,
     child_main,
     markdown_table,
@@ -48,6 +58,7 @@ PRESETS = {
         "config": dict(per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=8,
                        learning_rate=3e-5, gradient_checkpointing=False, bf16=False, use_cpu=True),
         "peft": None,
+        "decoder_layer": "LlamaDecoderLayer",  # what FSDP2 shards as one unit (SmolLM2 is a Llama)
     },
     "gpu": {
         "model": "Qwen/Qwen3-4B-Base",
@@ -55,6 +66,7 @@ PRESETS = {
                        learning_rate=1e-5, gradient_checkpointing=True, bf16=True, use_vllm=True,
                        vllm_mode="colocate", vllm_gpu_memory_utilization=0.4),
         "peft": {"r": 32, "lora_alpha": 64, "target_modules": "all-linear", "task_type": "CAUSAL_LM"},
+        "decoder_layer": "Qwen3DecoderLayer",
     },
 }
 
@@ -66,11 +78,13 @@ def parse_args(argv=None):
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
                         help="override a field of the preset's config (YAML value), e.g. --set use_vllm=false")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=8, help="repeats of every variant, the order alternating")
     parser.add_argument("--steps", type=int, default=6, help="timed optimizer steps per run")
     parser.add_argument("--warmup_steps", type=int, default=1, help="untimed optimizer steps first")
     parser.add_argument("--max_completion_length", type=int, default=24)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--fsdp2_cpu_processes", type=int, default=0,
+                        help="run every variant under FSDP2 over this many CPU processes (0: one process, no FSDP)")
     parser.add_argument("--name", default="overhead", help="results file name")
     parser.add_argument("--output_dir", default=str(RESULTS / "overhead"))
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -128,12 +142,19 @@ def naive_exact_trainer():
 
 def run_child(spec: dict) -> dict:
     """One training run of one variant; returns per-step times and peak memory."""
+    import torch
     from transformers import TrainerCallback
 
     from oblr_trl.tasks import TaskOptions, load_task
 
     preset = PRESETS[spec["preset"]]
     config = {**preset["config"], **spec["overrides"]}
+    if spec["fsdp2"]:
+        from oblr_trl.testing import allow_fsdp_on_cpu
+
+        allow_fsdp_on_cpu()
+        config |= {"fsdp": True, "fsdp_config": {"version": 2, "reshard_after_forward": True,
+                                                 "transformer_layer_cls_to_wrap": [preset["decoder_layer"]]}}
     task = load_task("arithmetic", "train", TaskOptions(num_problems=200, seed=spec["seed"]))
     length = spec["max_completion_length"]
     min_tokens = "min_tokens" if config.get("use_vllm") else "min_new_tokens"  # vLLM's name / transformers'
@@ -154,12 +175,21 @@ def run_child(spec: dict) -> dict:
     trainer = build_trainer(spec["model"] or preset["model"], VARIANTS[spec["variant"]], common, preset["peft"], task,
                             callbacks=[StepTimer()],
                             trainer_cls=naive_exact_trainer() if spec["variant"] == "exact-naive" else None)
+    if spec["fsdp2"]:
+        torch.set_num_threads(1)  # one per process: the processes share the machine's cores
     with PeakMemory() as memory:
         trainer.train()
     timed = times[spec["warmup_steps"]:]
-    return {"variant": spec["variant"], "repeat": spec["repeat"], "num_generations": trainer.args.num_generations,
-            "step_seconds": timed,
+    return {"variant": spec["variant"], "repeat": spec["repeat"], "position": spec["position"],
+            "num_generations": trainer.args.num_generations, "processes": trainer.accelerator.num_processes,
+            "distributed_type": str(trainer.accelerator.distributed_type), "step_seconds": timed,
             "median_step_seconds": statistics.median(timed), "peak_memory_bytes": memory.peak}
+
+
+def balanced_order(variants: list[str], repeat: int) -> list[str]:
+    """The variants in the given order on even repeats and reversed on odd ones, so that over an even number of
+    repeats every variant holds every position equally often (A B, B A, A B, … for two)."""
+    return list(variants) if repeat % 2 == 0 else list(reversed(variants))
 
 
 def summarise(runs: list[dict], variants: list[str]) -> list[dict]:
@@ -175,7 +205,8 @@ def summarise(runs: list[dict], variants: list[str]) -> list[dict]:
             time_ratios = [r["median_step_seconds"] / g["median_step_seconds"] for r, g in zip(results, reference)]
             memory_ratios = [r["peak_memory_bytes"] / g["peak_memory_bytes"] for r, g in zip(results, reference)]
             row |= {"time_ratio": statistics.median(time_ratios), "time_ratio_min": min(time_ratios),
-                    "time_ratio_max": max(time_ratios), "memory_ratio": statistics.median(memory_ratios),
+                    "time_ratio_max": max(time_ratios), "time_ratio_mean": statistics.fmean(time_ratios),
+                    "time_ratio_ci": bootstrap_ci(time_ratios), "memory_ratio": statistics.median(memory_ratios),
                     "memory_ratio_min": min(memory_ratios), "memory_ratio_max": max(memory_ratios)}
         rows.append(row)
     return rows
@@ -184,14 +215,22 @@ def summarise(runs: list[dict], variants: list[str]) -> list[dict]:
 def plot(rows, output_dir, name):
     figure, axes = new_figure(2, (13, 4.5))
     labels = [r["variant"] for r in rows]
-    for axis, key, title in ((axes[0], "time", "time per optimizer step"), (axes[1], "memory", "peak memory")):
-        values = [r.get(f"{key}_ratio", float("nan")) for r in rows]
-        errors = [[v - r.get(f"{key}_ratio_min", v) for v, r in zip(values, rows)],
-                  [r.get(f"{key}_ratio_max", v) - v for v, r in zip(values, rows)]]
+    panels = ((axes[0], "time", "time per optimizer step", "÷ GRPOTrainer (paired mean, 95 % interval)"),
+              (axes[1], "memory", "peak memory", "÷ GRPOTrainer (median, min–max over repeats)"))
+    for axis, key, title, label in panels:
+        if key == "time":
+            values = [r.get("time_ratio_mean", float("nan")) for r in rows]
+            low = [r.get("time_ratio_ci", [v, v])[0] for v, r in zip(values, rows)]
+            high = [r.get("time_ratio_ci", [v, v])[1] for v, r in zip(values, rows)]
+        else:
+            values = [r.get("memory_ratio", float("nan")) for r in rows]
+            low = [r.get("memory_ratio_min", v) for v, r in zip(values, rows)]
+            high = [r.get("memory_ratio_max", v) for v, r in zip(values, rows)]
+        errors = [[max(0.0, v - lo) for v, lo in zip(values, low)], [max(0.0, hi - v) for v, hi in zip(values, high)]]
         axis.bar(labels, values, yerr=errors, capsize=4)
         axis.axhline(1.0, color="black", lw=0.8)
         axis.axhline(1.05, color="red", lw=0.8, ls="--", label="1.05× bar (default mode)")
-        axis.set_ylabel("÷ GRPOTrainer (median, min–max over repeats)")
+        axis.set_ylabel(label)
         axis.set_title(title)
         axis.tick_params(axis="x", rotation=30)
         axis.legend()
@@ -204,14 +243,19 @@ def main(argv=None):
         return child_main(run_child, args.child)
     overrides = parse_overrides(args.overrides)
     output_dir = Path(args.output_dir)
-    specs = [  # interleaved: A B C ... A B C ...
+    specs = [
         {"preset": args.preset, "model": args.model, "overrides": overrides, "variant": variant, "repeat": repeat,
-         "seed": args.seed + repeat,
+         "position": position, "seed": args.seed + repeat, "fsdp2": args.fsdp2_cpu_processes > 0,
          "steps": args.steps, "warmup_steps": args.warmup_steps, "max_completion_length": args.max_completion_length,
          "output_dir": str(output_dir / "runs" / f"{variant}-{repeat}")}
-        for repeat in range(args.repeats) for variant in args.variants
+        for repeat in range(args.repeats)
+        for position, variant in enumerate(balanced_order(args.variants, repeat))
     ]
-    runs = run_in_subprocesses(__file__, specs, "overhead runs")
+    launcher = None
+    if args.fsdp2_cpu_processes:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    "--nproc_per_node", str(args.fsdp2_cpu_processes)]
+    runs = run_in_subprocesses(__file__, specs, "overhead runs", launcher=launcher)
     rows = summarise(runs, args.variants)
     figure = plot(rows, output_dir, args.name)
     preset = PRESETS[args.preset]
@@ -220,13 +264,17 @@ def main(argv=None):
         f"# Overhead against GRPOTrainer ({args.preset} preset)\n\n![overhead]({figure.name})\n\n"
         f"Model `{args.model or preset['model']}`, {config['num_generations']} completions per prompt, "
         f"{config['per_device_train_batch_size']} × {config['gradient_accumulation_steps']} "
-        f"completions per step, completions fixed at {args.max_completion_length} tokens; {args.repeats} interleaved "
-        f"repeats × {args.steps} timed steps (after {args.warmup_steps} warm-up)"
+        f"completions per step, completions fixed at {args.max_completion_length} tokens; {args.repeats} repeats "
+        f"(order alternating: {' '.join(balanced_order(args.variants, 0))}, then reversed) × {args.steps} timed steps "
+        f"(after {args.warmup_steps} warm-up)"
+        + (f"; FSDP2 over {args.fsdp2_cpu_processes} CPU processes for every variant" if args.fsdp2_cpu_processes
+           else "")
         + (f"; preset overrides `{overrides}`" if overrides else "") + ".\n\n"
         + markdown_table(
-            ["variant", "s / step (median)", "min", "max", "÷ GRPO time", "time ratio min–max", "peak MiB",
-             "÷ GRPO memory", "memory ratio min–max"],
-            [[r["variant"], r["median_step_seconds"], r["min"], r["max"], r.get("time_ratio", "—"),
+            ["variant", "s / step (median)", "min", "max", "÷ GRPO time (paired mean)", "95 % interval",
+             "time ratio min–max", "peak MiB", "÷ GRPO memory", "memory ratio min–max"],
+            [[r["variant"], r["median_step_seconds"], r["min"], r["max"], r.get("time_ratio_mean", "—"),
+              "[{:.3f}, {:.3f}]".format(*r.get("time_ratio_ci", [float("nan")] * 2)),
               f"{r.get('time_ratio_min', float('nan')):.3f}–{r.get('time_ratio_max', float('nan')):.3f}",
               r["peak_memory_mib"], r.get("memory_ratio", "—"),
               f"{r.get('memory_ratio_min', float('nan')):.3f}–{r.get('memory_ratio_max', float('nan')):.3f}"]

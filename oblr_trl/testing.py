@@ -1,7 +1,8 @@
 """Tiny, locally built models and tokenizers for tests, examples and smoke benchmarks (no Hub access).
 
 The tokenizer works on characters, so any text round-trips; the models are randomly initialised Llama-, Qwen2- or
-Qwen3-style causal LMs small enough for exact per-sample gradients on a CPU.
+Qwen3-style causal LMs small enough for exact per-sample gradients on a CPU. `allow_fsdp_on_cpu` lets accelerate run
+FSDP2 over CPU processes, for tests and benchmarks of the sharded path on a machine without GPUs.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen3Config
 
-__all__ = ["CHAT_TEMPLATE", "tiny_causal_lm", "tiny_tokenizer"]
+__all__ = ["CHAT_TEMPLATE", "allow_fsdp_on_cpu", "tiny_causal_lm", "tiny_tokenizer"]
 
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>"]
 CHAT_TEMPLATE = (
@@ -77,3 +78,26 @@ def tiny_causal_lm(
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     return model
+
+
+def allow_fsdp_on_cpu() -> None:
+    """Let accelerate set up the FSDP plugin it is given on a multi-process CPU run (gloo).
+
+    accelerate builds FSDP only for GPU-like devices and silently keeps DDP on CPU processes. This lifts that one
+    refusal (call it before the Trainer is created); everything after it — `fsdp2_prepare_model`'s wrapping,
+    gradient accumulation without sync, clipping of DTensor gradients, the optimizer on shards — is accelerate's and
+    torch's real FSDP2 path. For tests and benchmarks only.
+    """
+    import accelerate.state as state
+    from accelerate.utils import DistributedType
+
+    original = state.AcceleratorState.__init__
+
+    def init(self, *args, fsdp_plugin=None, **kwargs):
+        original(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
+        if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
+            # the process state is shared: later AcceleratorState() calls copy their distributed type from it
+            state.PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+            self.distributed_type, self.fsdp_plugin = DistributedType.FSDP, fsdp_plugin
+
+    state.AcceleratorState.__init__ = init

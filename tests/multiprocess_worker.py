@@ -28,25 +28,9 @@ import trl.trainer.grpo_trainer as grpo_trainer  # noqa: E402
 from datasets import Dataset  # noqa: E402
 
 from oblr_trl import OBLRPOConfig, OBLRPOTrainer  # noqa: E402
-from oblr_trl.testing import tiny_causal_lm, tiny_tokenizer  # noqa: E402
+from oblr_trl.testing import allow_fsdp_on_cpu, tiny_causal_lm, tiny_tokenizer  # noqa: E402
 
 grpo_trainer.shuffle_sequence_dict = lambda batch: batch  # micro-batches follow the order of the generation batch
-
-
-def allow_fsdp_on_cpu():
-    """Let accelerate set up the FSDP plugin it is given on a multi-process CPU run (it keeps DDP there otherwise)."""
-    import accelerate.state as state
-    from accelerate.utils import DistributedType
-
-    original = state.AcceleratorState.__init__
-
-    def init(self, *args, fsdp_plugin=None, **kwargs):
-        original(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
-        if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
-            state.PartialState._shared_state["distributed_type"] = DistributedType.FSDP
-            self.distributed_type, self.fsdp_plugin = DistributedType.FSDP, fsdp_plugin
-
-    state.AcceleratorState.__init__ = init
 
 
 def parameter_summary(model) -> list[list[float]]:

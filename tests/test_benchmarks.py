@@ -39,13 +39,26 @@ def test_variance_smoke(saved_tiny_model, tmp_path):
 
 
 def test_overhead_smoke(saved_tiny_model, tmp_path):
-    run("overhead.py", "--model", str(saved_tiny_model), "--variants", "grpo", "oblrpo", "exact", "exact-naive", "--repeats", "1",
+    run("overhead.py", "--model", str(saved_tiny_model), "--variants", "grpo", "oblrpo", "exact", "exact-naive", "--repeats", "2",
         "--steps", "1", "--max_completion_length", "4", "--set", "num_generations=4", "--output_dir", str(tmp_path))
     results = json.loads((tmp_path / "overhead.json").read_text())
     assert {run["num_generations"] for run in results["runs"]} == {4}  # --set reached every run (the preset has 8)
+    # the order alternates between repeats: every variant runs first once in two repeats
+    positions = {(r["variant"], r["repeat"]): r["position"] for r in results["runs"]}
+    assert [positions["grpo", 0], positions["grpo", 1]] == [0, 3] and [positions["exact-naive", r] for r in (0, 1)] == [3, 0]
     summary = {row["variant"]: row for row in results["summary"]}
     assert summary["grpo"]["time_ratio"] == 1.0 and summary["oblrpo"]["time_ratio"] > 0
+    low, high = summary["oblrpo"]["time_ratio_ci"]
+    assert low <= summary["oblrpo"]["time_ratio_mean"] <= high
     assert summary["exact"]["peak_memory_mib"] > 0 and (tmp_path / "overhead.png").exists()
+
+
+def test_overhead_under_fsdp2_on_two_cpu_processes_smoke(saved_tiny_model, tmp_path):
+    run("overhead.py", "--model", str(saved_tiny_model), "--variants", "grpo", "oblrpo", "--repeats", "1", "--steps", "1",
+        "--max_completion_length", "4", "--set", "num_generations=4", "--fsdp2_cpu_processes", "2",
+        "--output_dir", str(tmp_path))
+    results = json.loads((tmp_path / "overhead.json").read_text())
+    assert {(r["processes"], r["distributed_type"]) for r in results["runs"]} == {(2, "DistributedType.FSDP")}
 
 
 def test_learning_smoke(saved_tiny_model, tmp_path):

@@ -3,7 +3,7 @@
 The same deterministic generation batches as `test_multiprocess.py` (groups of 8 completions spanning both ranks,
 gradient accumulation on each rank: FSDP2 accumulates without sync and reduce-scatters on the last micro-batch). The
 model is wrapped by accelerate's own `fsdp2_prepare_model`; accelerate keeps DDP on a CPU, so the worker lifts that
-one refusal (`allow_fsdp_on_cpu` in `multiprocess_worker.py`). The GPU path through `accelerate launch` is
+one refusal (`oblr_trl.testing.allow_fsdp_on_cpu`). The GPU path through `accelerate launch` is
 `tests/test_gpu.py::test_fsdp2_accelerate_launch`.
 
 What must agree: advantages, weights, ‖μ‖², tr Σ, the factor f_t, the gradient norm and the trained parameters.
