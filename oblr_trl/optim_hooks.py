@@ -7,8 +7,9 @@ Two small pieces, each the single place that touches a training backend:
   on every trainable parameter; a hook on a leaf tensor sees the gradient of the current backward *before* it is added
   to ``.grad`` and before DDP or DeepSpeed reduce it across ranks, so each micro-batch's local gradient is observed
   without keeping a copy of the accumulated one.
-* [`sketch_gradient_shards`] sketches the rows of each gradient a process holds under FSDP2, where no hook ever sees
-  a micro-batch gradient (the parameters are sharded DTensors, the gradients are reduce-scattered into them).
+* [`sketch_step_gradients`] sketches the step's accumulated gradients once, after the last backward: whole tensors
+  (one process, DDP) or the rows of each gradient a process holds under FSDP2, where no hook ever sees a micro-batch
+  gradient (the parameters are sharded DTensors, the gradients are reduce-scattered into them).
 * [`StepLearningRateScale`] multiplies every param group's learning rate by a factor for the duration of one
   ``optimizer.step()`` and puts the scheduled value back afterwards. It hooks the innermost torch optimizer, which
   every backend ends up stepping, also when DeepSpeed runs the step inside ``backward``.
@@ -29,7 +30,7 @@ __all__ = [
     "OptimizerStepGate",
     "StepLearningRateScale",
     "innermost_optimizer",
-    "sketch_gradient_shards",
+    "sketch_step_gradients",
 ]
 
 
@@ -73,10 +74,11 @@ class MicroBatchGradSqNorms:
         self._handles = []
 
 
-def sketch_gradient_shards(params: Sequence[torch.nn.Parameter], sketch: GradientSketch) -> None:
-    """Add this process's piece of every parameter's gradient to ``sketch`` (FSDP2, after the step's last backward).
+def sketch_step_gradients(params: Sequence[torch.nn.Parameter], sketch: GradientSketch, sharded: bool) -> None:
+    """Add the ``.grad`` this process holds of every parameter to ``sketch``, after the step's last backward.
 
-    FSDP2 keeps each gradient as a DTensor sharded on its first dimension over a 1-D device mesh, split the way
+    Unsharded (one process, DDP): the whole accumulated gradient. ``sharded`` (FSDP2): each gradient is a DTensor
+    sharded on its first dimension over a 1-D device mesh, split the way
     ``torch.chunk`` splits: of n rows and W processes, process r holds rows r·c … min((r+1)·c, n) with c = ⌈n/W⌉ (the
     last processes may hold fewer rows, or none). ``params`` are in the order ``sketch`` was built for. Any other
     layout (HSDP's 2-D mesh, tensor parallelism) raises instead of measuring a wrong gradient.
@@ -86,6 +88,9 @@ def sketch_gradient_shards(params: Sequence[torch.nn.Parameter], sketch: Gradien
     for index, param in enumerate(params):
         grad = param.grad
         if grad is None:
+            continue
+        if not sharded:
+            sketch.add(index, grad)
             continue
         if not isinstance(grad, DTensor):
             raise NotImplementedError(

@@ -5,14 +5,19 @@ step's gradient norm once every micro-batch is in); the recorder sums the step's
 collective, turns them into ‖μ‖² and tr Σ with the pure estimators of `oblr_trl.snr`, feeds the
 `SNRLearningRateController`, logs what it saw and leaves the factor of the next step in ``next_factor``.
 
-It reads gradients in one of two ways, chosen by the backend:
+It reads gradients in one of two ways:
 
-* **hooks** (one process, DDP, DeepSpeed): `MicroBatchGradSqNorms` sees each micro-batch's local gradient h_k before
-  it is reduced across processes, and sketches it for the cross-step estimator.
-* **shards** (FSDP2): gradients exist only reduced and sharded. After the last micro-batch, before clipping, each
-  process sketches the rows it holds of the step's (process-averaged) gradient; summed over processes this is the
-  sketch of the whole gradient, the same as one process computes (`GradientSketch.add`). No micro-batch gradient is
-  ever visible, so `two_batch` cannot run there (the trainer refuses it up front) and its side metrics are not logged.
+* **at the step's end** (the default `cross_step` estimator, outside DeepSpeed): after the last micro-batch, before
+  clipping, the sketch is taken once of the accumulated ``.grad`` — the whole (process-averaged) gradient on one
+  process or under DDP; under FSDP2 the rows each process holds, whose sketches add up over processes to the sketch
+  of the whole gradient (`GradientSketch.add`). One sketch per step instead of one per micro-batch, and no hooks.
+* **hooks** (`two_batch`, `per_sample`, and DeepSpeed, whose ZeRO optimizers keep gradients in their own buffers):
+  `MicroBatchGradSqNorms` sees each micro-batch's local gradient h_k before it is reduced across processes, sums
+  ‖h_k‖² and (`cross_step` under DeepSpeed) sketches it. FSDP2 never exposes a micro-batch gradient, so there
+  `two_batch` is refused up front and `per_sample` reads only the per-sample norms.
+
+The micro-batch norms, and with them the `snr/small_batch_grad_sq_norm` and `snr/two_batch/*` side metrics, exist
+only with hooks.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from typing import Any
 
 import torch
 
-from .optim_hooks import MicroBatchGradSqNorms, sketch_gradient_shards
+from .optim_hooks import MicroBatchGradSqNorms, sketch_step_gradients
 from .sketch import GradientSketch
 from .snr import (
     NoiseEstimate,
@@ -45,7 +50,9 @@ class StepNoiseRecorder:
         controller: turns the step estimates into the learning-rate factor.
         estimator: ``cross_step``, ``two_batch`` or ``per_sample`` (`OBLRPOConfig.snr_estimator`).
         num_generations: completions per prompt (``cross_step`` counts prompts as its samples).
-        sharded: gradients are read from FSDP2 shards at the end of the step instead of hooks.
+        sharded: FSDP2 holds the parameters and gradients as shards: never hooks.
+        gradients_in_grad: the accumulated gradient is in each parameter's ``.grad`` before clipping (False under
+            DeepSpeed): ``cross_step`` sketches it there, once per step, instead of hooking every micro-batch.
         seed: seed of the sketch's projections (the same on every process).
     """
 
@@ -57,6 +64,7 @@ class StepNoiseRecorder:
         num_generations: int,
         *,
         sharded: bool = False,
+        gradients_in_grad: bool = True,
         seed: int = 0,
     ):
         self.controller = controller
@@ -66,7 +74,9 @@ class StepNoiseRecorder:
         # DeepSpeed ZeRO-3 keeps the full shape in `ds_shape` and an empty placeholder in `shape`
         shapes = [getattr(p, "ds_shape", p.shape) for p in params]
         self.sketch = GradientSketch(shapes, seed=seed) if estimator == "cross_step" else None
-        self.hooks = None if sharded else MicroBatchGradSqNorms(params, self.sketch)
+        self.sketch_at_step_end = self.sketch is not None and (sharded or gradients_in_grad)
+        needs_hooks = not sharded and (estimator != "cross_step" or not gradients_in_grad)
+        self.hooks = MicroBatchGradSqNorms(params, None if self.sketch_at_step_end else self.sketch) if needs_hooks else None
         self.next_factor = 1.0
         self.generation = 0  # training generation batches so far; two steps pair when they share none
         self.previous: tuple[torch.Tensor, set[int]] | None = None  # the last step's sketch and generation batches
@@ -77,7 +87,7 @@ class StepNoiseRecorder:
         self.samples = 0
         self.per_sample_sq = torch.zeros((), dtype=torch.float32)
         self.generations: set[int] = set()
-        self._shards_read = False
+        self._step_end_read = False
 
     def new_generation(self) -> None:
         self.generation += 1
@@ -98,11 +108,12 @@ class StepNoiseRecorder:
         """Σ_i ‖c_i‖² of a micro-batch's rows (``per_sample``)."""
         self.per_sample_sq = self.per_sample_sq.to(value.device) + value.detach().float()
 
-    def read_shards(self, params: Iterable[torch.nn.Parameter]) -> None:
-        """FSDP2: sketch this process's rows of the step's gradient, once per step and before clipping changes it."""
-        if self.sharded and self.sketch is not None and not self._shards_read:
-            sketch_gradient_shards([p for p in params if p.requires_grad], self.sketch)
-            self._shards_read = True
+    def read_step_gradients(self, params: Iterable[torch.nn.Parameter]) -> None:
+        """Sketch the step's accumulated gradient (this process's rows of it under FSDP2), once per step and before
+        clipping changes it."""
+        if self.sketch_at_step_end and not self._step_end_read:
+            sketch_step_gradients([p for p in params if p.requires_grad], self.sketch, self.sharded)
+            self._step_end_read = True
 
     def finish_step(
         self,
@@ -118,10 +129,16 @@ class StepNoiseRecorder:
         Scales (W processes, K micro-batches h_k in all, N samples): the optimizer's gradient is G_N = (1/W) Σ_k h_k,
         so the micro-batch estimate of the same mean is (K/W)·h_k and |G_b|² = K Σ_k ‖h_k‖² / W², with b = N/K.
         Per-sample: the estimate from row i is (N/W)·c_i, with c_i its contribution to Σ_k h_k. Cross-step: with
-        hooks the sketch of G_N is the sum of the processes' sketches of their Σ_k h_k, over W; with shards it is
-        the sum of the processes' sketches of their rows of G_N. Hooks and shards see the gradients before the fp16
-        loss scale S is taken off: norms are divided by S², sketches by S.
+        hooks the sketch of G_N is the sum of the processes' sketches of their Σ_k h_k, over W; read at the step's end
+        it is the sum of W identical sketches of G_N, over W (DDP), or of the processes' rows of G_N (FSDP2). Both
+        see the gradients before the fp16 loss scale S is taken off: norms are divided by S², sketches by S.
         """
+        if self.sketch_at_step_end and not self._step_end_read and self.micro_batches:
+            raise RuntimeError(
+                "The SNR estimator did not read this step's gradient before clipping: the Trainer did not call "
+                "`_clip_grad_norm` / `_get_grad_norm` where oblr-trl reads it (tested with transformers 5.23). Use "
+                "that version, or set use_snr_lr=False."
+            )
         stats = torch.stack(
             [
                 self.hooks.pop(device) if self.hooks is not None else torch.zeros((), device=device),

@@ -208,7 +208,7 @@ class OBLRPOTrainer(GRPOTrainer):
         if args.use_snr_lr:
             self.snr_recorder = StepNoiseRecorder(
                 self._trainable_parameters(), self.snr_controller, args.snr_estimator, self.num_generations,
-                sharded=self._is_fsdp2, seed=args.seed,
+                sharded=self._is_fsdp2, gradients_in_grad=not self.is_deepspeed_enabled, seed=args.seed,
             )
 
         # Robustness: refuse non-finite steps, stop gracefully on SIGTERM/SIGINT
@@ -640,12 +640,12 @@ class OBLRPOTrainer(GRPOTrainer):
 
     def _clip_grad_norm(self, model):
         if self.snr_recorder is not None:
-            self.snr_recorder.read_shards(model.parameters())  # FSDP2: before clipping rescales the gradients
+            self.snr_recorder.read_step_gradients(model.parameters())  # before clipping rescales the gradients
         return super()._clip_grad_norm(model)
 
     def _get_grad_norm(self, model, grad_norm=None):
         if self.snr_recorder is not None and grad_norm is None:
-            self.snr_recorder.read_shards(model.parameters())  # FSDP2 without clipping (max_grad_norm=0)
+            self.snr_recorder.read_step_gradients(model.parameters())  # max_grad_norm=0: no clipping step
         grad_norm = super()._get_grad_norm(model, grad_norm=grad_norm)
         self._step_grad_norm_finite = grad_norm is None or math.isfinite(float(grad_norm))
         if self.snr_recorder is not None:

@@ -2,6 +2,9 @@
 
     accelerate launch --config_file recipes/accelerate_configs/zero3.yaml --num_processes 1 tests/backend_worker.py OUT
 
+The factor is read as 'absolute' (the paper's, in [snr_lr_floor, 1]) so that it acts within the run's 4 steps; the
+default calibrated reference stays at 1 until its window of 20 steps resolves. Everything else is the defaults.
+
 Records, for every call of the innermost torch optimizer's `step` (DeepSpeed's ZeRO optimizers call it once per
 param group), the learning rate it actually used (read by a step pre-hook registered after the trainer's), the
 scheduled rate and factor the trainer applied, and whether the
@@ -66,7 +69,8 @@ def main(out: str) -> None:
     args = OBLRPOConfig(
         output_dir=os.path.join(os.path.dirname(out), "run"), per_device_train_batch_size=4,
         gradient_accumulation_steps=2, num_generations=4, max_completion_length=8, max_steps=4, learning_rate=1e-2,
-        generation_kwargs={"sequence_bias": [[[1], 3.0]]}, lr_scheduler_type="linear", snr_warmup_steps=0, snr_ema_decay=0.0, logging_steps=1, report_to="none",
+        generation_kwargs={"sequence_bias": [[[1], 3.0]]}, lr_scheduler_type="linear", snr_warmup_steps=0,
+        snr_ema_decay=0.0, snr_lr_reference="absolute", logging_steps=1, report_to="none",
         save_strategy="no", bf16=torch.cuda.is_available(), baseline_weights=os.environ.get("WEIGHTS", "logit"),
     )
     recorder = StepRecorder()

@@ -86,15 +86,16 @@ def main():
     parser.add_argument("--snr_lr_reference", default="absolute")
     parser.add_argument("--max_grad_norm", type=float, default=1.0)
     parser.add_argument("--fsdp2", action="store_true")
+    parser.add_argument("--tie_word_embeddings", action="store_true")
     parser.add_argument("--sketch_first_shard_only", action="store_true",
                         help="FSDP2: only rank 0 sketches its rows (the sum over shards dropped), for the negative test")
     args = parser.parse_args()
     if args.sketch_first_shard_only:
         import oblr_trl.step_noise as step_noise
 
-        sketch_all = step_noise.sketch_gradient_shards
-        step_noise.sketch_gradient_shards = lambda params, sketch: (
-            sketch_all(params, sketch) if int(os.environ["RANK"]) == 0 else None
+        sketch_all = step_noise.sketch_step_gradients
+        step_noise.sketch_step_gradients = lambda params, sketch, sharded: (
+            sketch_all(params, sketch, sharded) if int(os.environ["RANK"]) == 0 else None
         )
     fsdp = {}
     if args.fsdp2:
@@ -128,7 +129,7 @@ def main():
         **fsdp,
     )
     trainer = DeterministicTrainer(
-        model=tiny_causal_lm(tokenizer),
+        model=tiny_causal_lm(tokenizer, tie_word_embeddings=args.tie_word_embeddings),
         reward_funcs=reward,
         args=config,
         train_dataset=Dataset.from_dict({"prompt": [f"{a}*{b}=" for a in range(6) for b in range(6)]}),

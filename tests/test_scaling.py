@@ -329,7 +329,7 @@ def test_micro_batch_norms_see_each_local_gradient_before_accumulation():
 def test_unobservable_micro_batch_gradients_fail_loudly(make_trainer):
     """A backend whose hooked parameters never see a micro-batch gradient (as under FSDP before the recorder read its
     shards): an error, not a factor computed from nothing."""
-    trainer = make_trainer(max_steps=1)
+    trainer = make_trainer(max_steps=1, snr_estimator="two_batch")
     trainer.snr_recorder.hooks.remove()
     with pytest.raises(RuntimeError, match="saw no micro-batch gradient.*use_snr_lr=False"):
         trainer.train()
