@@ -162,14 +162,14 @@ def child_main(run_child, child_spec: str) -> int:
     return 0
 
 
-def new_figure(columns: int, size: tuple[float, float]):
-    """A row of ``columns`` axes, drawn off-screen."""
+def new_figure(columns: int, size: tuple[float, float], rows: int = 1):
+    """``rows`` × ``columns`` axes (a row when ``rows`` is 1), drawn off-screen."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    return plt.subplots(1, columns, figsize=size, constrained_layout=True)
+    return plt.subplots(rows, columns, figsize=size, constrained_layout=True)
 
 
 def save_figure(figure, output_dir: str | Path, name: str) -> Path:

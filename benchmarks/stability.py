@@ -41,6 +41,8 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
+from oblr_trl.snr import CALIBRATION_MIN_T
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import learning  # noqa: E402
 import synthetic_learning as synthetic  # noqa: E402
@@ -74,7 +76,7 @@ SMOLLM2_METHODS = {  # name -> (OBLRPOConfig overrides, None for TRL's GRPOTrain
 SMOLLM2 = {"methods": [REFERENCE, "oblrpo", "oblrpo-unscaled"], "rates": [1e-4, 3e-4, 1e-3], "seeds": [0, 1, 2, 3, 4],
            "steps": 40, "jobs": 2}
 # more prompts a step and a longer run, so that the calibration window resolves
-RESOLVE = {"rate": 3e-4, "seed": 0, "steps": 60, "config": {"per_device_train_batch_size": 16, "num_generations": 4},
+RESOLVE = {"rate": 3e-5, "seed": 0, "steps": 60, "config": {"per_device_train_batch_size": 16, "num_generations": 4},
            "methods": ["oblrpo", "grpo", "oblrpo-two-sided"]}
 
 
@@ -236,9 +238,9 @@ def cell_table(summary: dict, rates: list[float]) -> str:
 
 
 def plot(summary_sets: list[tuple[str, dict, list[float]]], resolve_runs: list[dict], output_dir: Path) -> Path:
-    panels = len(summary_sets) * 2 + (1 if resolve_runs else 0)
-    figure, axes = new_figure(panels, (5 * panels, 4.2))
-    axes = list(axes) if panels > 1 else [axes]
+    rows = len(summary_sets) + (1 if resolve_runs else 0)  # a row each: (final, collapse) or (rate used, t)
+    figure, axes = new_figure(2, (13, 4.6 * rows), rows=rows)
+    axes = list(axes.flat)
     for index, (title, summary, rates) in enumerate(summary_sets):
         final_axis, collapse_axis = axes[2 * index], axes[2 * index + 1]
         for method, entry in summary["methods"].items():
@@ -261,16 +263,23 @@ def plot(summary_sets: list[tuple[str, dict, list[float]]], resolve_runs: list[d
             axis.grid(alpha=0.3)
             axis.legend(fontsize=6)
     if resolve_runs:
-        axis = axes[-1]
-        for r in resolve_runs:
-            traces = r["traces"]
+        rate_axis, t_axis = axes[-2], axes[-1]
+        for index, r in enumerate(resolve_runs):
+            traces, label = r["traces"], f"{r['method']} lr {r['learning_rate']:g} (final acc {r['accuracy']:.2f})"
+            steps = range(1, len(traces["learning_rate"]) + 1)
             measured = not all(math.isnan(v) for v in traces["snr/effective_lr"])  # GRPO logs no effective rate
-            effective = traces["snr/effective_lr"] if measured else traces["learning_rate"]
-            axis.plot(range(1, len(effective) + 1), effective, label=f"{r['method']} (final acc {r['accuracy']:.2f})")
-        axis.set(xlabel="optimizer step", ylabel="learning rate used",
-                 title="SmolLM2, calibration resolving: rate used")
-        axis.grid(alpha=0.3)
-        axis.legend(fontsize=7)
+            rate_axis.plot(steps, traces["snr/effective_lr"] if measured else traces["learning_rate"], label=label,
+                           color=f"C{index}")  # one colour per run in both panels
+            if measured:
+                t_axis.plot(steps, traces["snr/calibration_t"], label=label, color=f"C{index}")
+        t_axis.axhline(CALIBRATION_MIN_T, color="black", linestyle=":", label=f"resolves at t ≥ {CALIBRATION_MIN_T:g}")
+        rate_axis.set(xlabel="optimizer step", ylabel="learning rate used", yscale="log",
+                      title="SmolLM2, 16 completions a step: rate used")
+        t_axis.set(xlabel="optimizer step", ylabel="t-statistic of the window's mean ‖μ‖²",
+                   title="calibration window: does the signal resolve?")
+        for axis in (rate_axis, t_axis):
+            axis.grid(alpha=0.3)
+            axis.legend(fontsize=6)
     return save_figure(figure, output_dir, "summary")
 
 
@@ -282,7 +291,8 @@ def write_summary(args) -> None:
     runs = cached_runs(runs_dir) if runs_dir.exists() else []
     initial = next((r for r in runs if r["method"] == "initial"), None)
     grid = [r for r in runs if r["method"] in SMOLLM2_METHODS]
-    resolve_runs = [r for r in runs if r["method"].endswith(resolve_tag())]
+    resolve_runs = sorted((r for r in runs if r["method"].endswith(resolve_tag())),
+                          key=lambda r: (r["learning_rate"], r["method"]))
     if grid and initial:
         rates = sorted({r["learning_rate"] for r in grid})
         summary = grid_summary(smollm2_cells(grid, initial["accuracy"]), args.bootstrap)
@@ -307,12 +317,21 @@ def write_summary(args) -> None:
             factors = [f for f in r["traces"]["snr/lr_factor"] if not math.isnan(f)]
             resolved = next((i + 1 for i, v in enumerate(r["traces"]["snr/resolved"]) if v == 1), None)
             factor_range = f"{min(factors):.2f}–{max(factors):.2f}" if factors else "—"
-            rows.append([r["method"], r["learning_rate"], r["accuracy"], learning.auc(r), resolved or "never",
-                         factor_range, statistics.fmean(factors) if factors else "—"])
-        markdown += [f"## SmolLM2, a configuration in which the calibration resolves ({RESOLVE['config']}, "
-                     f"{RESOLVE['steps']} steps, lr {RESOLVE['rate']:g}, seed {RESOLVE['seed']})\n",
-                     markdown_table(["run", "lr", "final acc.", "AUC", "resolved at step", "factor range",
-                                     "mean factor"], rows), ""]
+            t_values = [t for t in r["traces"]["snr/calibration_t"] if math.isfinite(t)]
+            ratios = [f / ref for f, ref in zip(r["traces"]["snr/bound_factor"], r["traces"]["snr/reference_factor"])
+                      if math.isfinite(f / ref)]  # what an unclamped calibrated factor would have been
+            rows.append([r["method"], r["learning_rate"], r["accuracy"], learning.auc(r),
+                         resolved or ("never" if factors else "— (no SNR factor)"),
+                         f"{max(t_values):.2f} / {t_values[-1]:.2f}" if t_values else "—",
+                         f"{min(ratios):.2f}–{max(ratios):.2f}" if ratios else "—", factor_range,
+                         statistics.fmean(factors) if factors else "—"])
+        markdown += [f"## SmolLM2 with more prompts a step, so that the calibration can resolve ({RESOLVE['config']}, "
+                     f"{RESOLVE['steps']} steps, seed {RESOLVE['seed']}; the rates tried)\n",
+                     "The window resolves once it holds `snr_calibration_steps` estimates (20 by default) whose mean ‖μ‖² "
+                     "has a t-statistic ≥ "
+                     f"{CALIBRATION_MIN_T:g}; until then the factor is 1.\n",
+                     markdown_table(["run", "lr", "final acc.", "AUC", "resolved at step", "t: largest / last", "f_t/f_ref once resolved",
+                                     "factor range", "mean factor"], rows), ""]
     if synthetic_path.exists():
         data = json.loads(synthetic_path.read_text())
         cells = {m: {float(rate): runs for rate, runs in by_rate.items()} for m, by_rate in data["cells"].items()}

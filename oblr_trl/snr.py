@@ -154,6 +154,10 @@ class BiasCorrectedEMA:
         self.decay, self.average, self.count = float(state["decay"]), float(state["average"]), int(state["count"])
 
 
+CALIBRATION_MIN_T = 2.0
+"""t-statistic at which the calibration window's mean ‖μ‖² estimate counts as told apart from noise."""
+
+
 class CalibrationWindow:
     """The reference factor f_ref of the calibrated SNR learning rate (DESIGN §2, "Revised after measurement").
 
@@ -167,7 +171,7 @@ class CalibrationWindow:
     noise never shrinks the step.
     """
 
-    def __init__(self, start: int, steps: int, min_t: float = 2.0):
+    def __init__(self, start: int, steps: int, min_t: float = CALIBRATION_MIN_T):
         if start < 0 or steps < 2:
             raise ValueError(f"a calibration window needs start >= 0 and steps >= 2; got start={start}, steps={steps}.")
         self.start, self.steps, self.min_t = start, steps, min_t

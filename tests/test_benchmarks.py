@@ -165,3 +165,9 @@ def test_stability_smoke(saved_tiny_model, tmp_path):
     assert len(runs_before) == 1 + 2 * 2  # the untrained model, 2 methods × 2 rates
     run("stability.py", *smollm2)
     assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "runs").iterdir()} == runs_before
+    out = run("stability.py", "--part", "resolve", "--model", str(saved_tiny_model), "--methods", "grpo", "oblrpo",
+              "--rates", "1e-4", "--steps", "1", "--eval_problems", "4", "--bootstrap", "50",
+              "--output_dir", str(tmp_path))
+    resolve = json.loads((tmp_path / "summary.json").read_text())["resolve"]
+    assert sorted(r["method"].split("@")[0] for r in resolve) == ["grpo", "oblrpo"]
+    assert all(len(r["lr_factor"]) == 1 for r in resolve) and "t: largest / last" in out
