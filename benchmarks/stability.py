@@ -272,9 +272,11 @@ def plot(summary_sets: list[tuple[str, dict, list[float]]], resolve_runs: list[d
                            color=f"C{index}")  # one colour per run in both panels
             if measured:
                 t_axis.plot(steps, traces["snr/calibration_t"], label=label, color=f"C{index}")
-        t_axis.axhline(CALIBRATION_MIN_T, color="black", linestyle=":", label=f"resolves at t ≥ {CALIBRATION_MIN_T:g}")
+        t_axis.axhline(CALIBRATION_MIN_T, color="black", linestyle=":",
+                       label=f"resolves at t ≥ {CALIBRATION_MIN_T:g}")
+        completions = RESOLVE["config"]["per_device_train_batch_size"]
         rate_axis.set(xlabel="optimizer step", ylabel="learning rate used", yscale="log",
-                      title="SmolLM2, 16 completions a step: rate used")
+                      title=f"SmolLM2, {completions} completions a step: rate used")
         t_axis.set(xlabel="optimizer step", ylabel="t-statistic of the window's mean ‖μ‖²",
                    title="calibration window: does the signal resolve?")
         for axis in (rate_axis, t_axis):
@@ -327,11 +329,10 @@ def write_summary(args) -> None:
                          statistics.fmean(factors) if factors else "—"])
         markdown += [f"## SmolLM2 with more prompts a step, so that the calibration can resolve ({RESOLVE['config']}, "
                      f"{RESOLVE['steps']} steps, seed {RESOLVE['seed']}; the rates tried)\n",
-                     "The window resolves once it holds `snr_calibration_steps` estimates (20 by default) whose mean ‖μ‖² "
-                     "has a t-statistic ≥ "
-                     f"{CALIBRATION_MIN_T:g}; until then the factor is 1.\n",
-                     markdown_table(["run", "lr", "final acc.", "AUC", "resolved at step", "t: largest / last", "f_t/f_ref once resolved",
-                                     "factor range", "mean factor"], rows), ""]
+                     "The window resolves once it holds `snr_calibration_steps` estimates (20 by default) whose mean "
+                     f"‖μ‖² has a t-statistic ≥ {CALIBRATION_MIN_T:g}; until then the factor is 1.\n",
+                     markdown_table(["run", "lr", "final acc.", "AUC", "resolved at step", "t: largest / last",
+                                     "f_t/f_ref once resolved", "factor range", "mean factor"], rows), ""]
     if synthetic_path.exists():
         data = json.loads(synthetic_path.read_text())
         cells = {m: {float(rate): runs for rate, runs in by_rate.items()} for m, by_rate in data["cells"].items()}
