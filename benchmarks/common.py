@@ -11,6 +11,17 @@ import time
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
+# the machine's 1-minute load average when the benchmark started (every benchmark imports this module first): a timing
+# taken beside another job is not a timing
+LOAD_AT_START = os.getloadavg()[0]
+
+
+def load_warning(start: float, end: float, cores: int) -> str | None:
+    """A warning when the machine was busier than its cores at the start or the end of a benchmark, else None."""
+    if max(start, end) <= cores:
+        return None
+    return (f"load average {start:.2f} at the start, {end:.2f} at the end, above the {cores} cores: other jobs shared "
+            "the machine, so the timings of this run are not timings of the code alone")
 
 
 def environment() -> dict:
@@ -26,6 +37,10 @@ def environment() -> dict:
     except OSError:
         commit = ""
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    load_at_end = os.getloadavg()[0]
+    warning = load_warning(LOAD_AT_START, load_at_end, os.cpu_count() or 1)
+    if warning is not None:
+        print(f"warning: {warning}", file=sys.stderr)
     return {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
@@ -38,6 +53,9 @@ def environment() -> dict:
         "transformers": transformers.__version__,
         "trl": trl.__version__,
         "git_commit": commit,
+        "load_average_start": round(LOAD_AT_START, 2),
+        "load_average_end": round(load_at_end, 2),
+        **({"load_warning": warning} if warning is not None else {}),
     }
 
 

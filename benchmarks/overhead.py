@@ -133,9 +133,14 @@ def naive_exact_trainer():
     exact baseline does: the reference the batched version is measured against."""
     from oblr_trl import OBLRPOTrainer
 
+    from oblr_trl.completion_weights import CompletionWeights
+
+    class OneBackwardPerCompletion(CompletionWeights):
+        def grad_sq_norms(self, batch, token_scale):
+            return self.looped_grad_sq_norms(batch, token_scale, 1)
+
     class NaiveExact(OBLRPOTrainer):
-        def _per_sample_grad_sq_norms(self, batch, token_scale):
-            return self._looped_grad_sq_norms(batch, token_scale, 1)
+        weights_class = OneBackwardPerCompletion
 
     return NaiveExact
 

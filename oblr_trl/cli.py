@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, fields
 from importlib import resources
 from pathlib import Path
 
+from . import __version__
 from .model_card import counted
 
 __all__ = ["TaskArguments", "main", "make_train_parser"]
@@ -88,6 +89,7 @@ class UsageError(Exception):
 
 DEBUG_ENV = "OBLR_TRL_DEBUG"
 DEFAULT_MODEL = "builtin:smollm2-135m-instruct"
+OFFLINE_TASK_FOR_HUB_TASKS = "arithmetic"  # what the CPU hint of a GPU recipe on a Hub task trains on instead
 # the GRPOConfig / TrainingArguments / ModelConfig fields a recipe sets most often, named in the short help
 COMMON_FIELDS = (
     "model_name_or_path", "output_dir", "learning_rate", "max_steps", "num_generations", "per_device_train_batch_size",
@@ -115,11 +117,20 @@ def make_train_parser():
     from .config import OBLRPOConfig
 
     class TrainParser(TrlParser):
-        def error(self, message):  # argparse would print the 300-flag usage line first
+        def error(self, message):  # argparse would print the 250-flag usage line first
             raise UsageError(f"{message} (see `oblr-trl train --help`)")
 
     # no prefix matching: `--learning_rat` must not silently mean `--learning_rate` (a YAML typo is refused too)
     return TrainParser((TaskArguments, OBLRPOConfig, ModelConfig), prog="oblr-trl train", allow_abbrev=False)
+
+
+def installed_trainer_fields() -> set[str]:
+    """The names the real parser of `oblr-trl train` accepts, less the ones oblr-trl defines itself (imports TRL):
+    what `oblr_trl/trainer_fields.txt` records."""
+    from .options import OBLRPOOptions
+
+    own = {f.name for f in fields(TaskArguments)} | {f.name for f in fields(OBLRPOOptions)}
+    return {action.dest for action in make_train_parser()._actions} - own
 
 
 def split_config(argv: list[str]) -> tuple[Path, list[str]]:
@@ -161,6 +172,9 @@ def check_train_args_early(argv: list[str]) -> tuple[Path, dict[str, object]]:
                 raise invalid_value(name, value, allowed)
     option_names = {f.name for f in fields(OBLRPOOptions)}
     OBLRPOOptions(**{name: _typed(value) for name, value in values.items() if name in option_names}).validate_options()
+    if values.get("output_dir") is not None:  # the refusal of a folder holding another run, before torch loads
+        check_output_dir(str(values["output_dir"]), _typed(values.get("overwrite_output_dir")) is True,
+                         values.get("resume_from_checkpoint") not in (None, "None"))
     return config_path, values
 
 
@@ -174,10 +188,17 @@ def check_gpu_needs(values: dict[str, object], config_path: Path) -> None:
 
     if torch.cuda.is_available():
         return
+    from .tasks import LOCAL_TASKS
+
+    flags = [f"--{name} false" for name in needs] + ["--use_cpu true", "--model_name_or_path", DEFAULT_MODEL]
+    task = str(values.get("task", TaskArguments.task))
+    if task not in LOCAL_TASKS:  # a Hub dataset: offline, the CPU try would fail on it after minutes of retries
+        flags += ["--task", OFFLINE_TASK_FOR_HUB_TASKS]
     raise UsageError(
         f"{config_path} needs a GPU ({', '.join(f'{name}: true' for name in needs)}) and this machine has none. "
-        "On a CPU, try it with " + " ".join(f"--{name} false" for name in needs) + " --use_cpu true and a small "
-        "model (--model_name_or_path builtin:smollm2-135m-instruct), or run `oblr-trl train` for the CPU quickstart."
+        f"On a CPU, try it offline with: oblr-trl train --config {config_path} {' '.join(flags)} --max_steps 5 "
+        "(a small built-in model" + (f", and the generated arithmetic task instead of the Hub's {task}" if task not in
+                                     LOCAL_TASKS else "") + "), or run `oblr-trl train` for the CPU quickstart."
     )
 
 
@@ -264,7 +285,7 @@ def _reject_unknown_flags(known: set[str], overrides: list[str]) -> None:
 
 
 def train_help() -> str:
-    """`oblr-trl train --help`: OBLR-PO options, then the task's, then where the other 300 fields are; no torch."""
+    """`oblr-trl train --help`: OBLR-PO options, then the task's, then where the other ~250 fields are; no torch."""
     from .options import OBLRPOOptions
 
     def describe(dataclass_fields) -> list[str]:
@@ -301,25 +322,35 @@ def train_help() -> str:
     ])
 
 
-def prepare_output_dir(output_dir: str, overwrite: bool, resuming: bool) -> None:
+def _previous_run(output_dir: str) -> tuple[list[Path], Path]:
+    folder = Path(output_dir)
+    return (sorted(folder.glob("checkpoint-*")) if folder.is_dir() else []), folder / "trainer_state.json"
+
+
+def check_output_dir(output_dir: str, overwrite: bool, resuming: bool) -> None:
     """Refuse to train into a folder that holds another run, unless told to overwrite it or to resume it.
 
     Reusing one silently would rewrite the finished run's model card, rotate its checkpoints away and leave the highest
-    checkpoint number to an older run. With ``overwrite`` the old checkpoints and trainer state are removed first.
+    checkpoint number to an older run.
     """
+    previous, state = _previous_run(output_dir)
+    if overwrite or resuming or not (previous or state.exists()):
+        return
+    found = ([counted(len(previous), "checkpoint")] if previous else []) + (["trainer_state.json"] if state.exists() else [])
+    raise UsageError(
+        f"{output_dir} holds another run ({', '.join(found)}). Allowed: a new --output_dir, "
+        "--resume_from_checkpoint CHECKPOINT to continue that run, or --overwrite_output_dir true to replace it."
+    )
+
+
+def prepare_output_dir(output_dir: str, overwrite: bool, resuming: bool) -> None:
+    """`check_output_dir`, then, with ``overwrite``, remove the old run's checkpoints and trainer state."""
     import shutil
 
-    folder = Path(output_dir)
-    previous = sorted(folder.glob("checkpoint-*")) if folder.is_dir() else []
-    state = folder / "trainer_state.json"
-    if not (previous or state.exists()) or resuming:
+    check_output_dir(output_dir, overwrite, resuming)
+    if resuming:
         return
-    if not overwrite:
-        raise UsageError(
-            f"{output_dir} holds another run ({counted(len(previous), 'checkpoint')}"
-            f"{', trainer_state.json' if state.exists() else ''}). Allowed: a new --output_dir, "
-            "--resume_from_checkpoint CHECKPOINT to continue that run, or --overwrite_output_dir true to replace it."
-        )
+    previous, state = _previous_run(output_dir)
     for checkpoint in previous:
         shutil.rmtree(checkpoint)
     state.unlink(missing_ok=True)
@@ -500,6 +531,7 @@ def run_command(argv: list[str]) -> int:
         prog="oblr-trl", description="OBLR-PO for TRL users.", epilog="--debug (any command): show the traceback of an error.",
         allow_abbrev=False,
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("train", help="train from a YAML recipe (default: the embedded quickstart); --help for fields")
 
@@ -531,7 +563,16 @@ def run_command(argv: list[str]) -> int:
     plot_parser.set_defaults(handler=plot_command)
 
     commands.add_parser("tasks", help="list the tasks").set_defaults(handler=tasks_command)
+    if not argv:  # what there is to do, instead of argparse's one-line complaint
+        parser.print_help()
+        return 2
     args, unknown = parser.parse_known_args(argv)
-    if unknown:  # the command's own usage line, not the top-level one argparse would print
-        commands.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
+    flags = [item.split("=", 1)[0] for item in unknown if item.startswith("--")]
+    if flags:  # named, with the nearest known flag, as `train` does
+        command = commands.choices[args.command]
+        known = {option for action in command._actions for option in action.option_strings}
+        raise UsageError(f"unknown flag {flags[0]}{_did_you_mean(flags[0], known)}; see `oblr-trl {args.command} "
+                         "--help`")
+    if unknown:
+        raise UsageError(f"unexpected arguments: {' '.join(unknown)}; see `oblr-trl {args.command} --help`")
     return args.handler(args)

@@ -13,7 +13,10 @@ import statistics
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 
-__all__ = ["ModelCardFacts", "model_card_text"]
+__all__ = ["TOTAL_RUNTIME_KEY", "ModelCardFacts", "model_card_text"]
+
+# logged beside the Trainer's `train_runtime` (the last segment's) at the end of training: every segment's seconds
+TOTAL_RUNTIME_KEY = "train_runtime_all_segments"
 
 
 @dataclass
@@ -34,6 +37,7 @@ class ModelCardFacts:
     curves: str | None = None  # file name of the training curves next to the card
     tracker_urls: list[str] = field(default_factory=list)
     recipe: str | None = None
+    training_seconds: float | None = None  # over every segment so far; the log's end-of-training summary wins
 
 
 def _version(package: str) -> str:
@@ -52,8 +56,9 @@ def _is_finite_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def final_metrics(history: list[dict]) -> list[tuple[str, str]]:
-    """Reward at the start and end of the run (a fifth of the logged steps each), the SNR factor, steps and time."""
+def final_metrics(history: list[dict], training_seconds: float | None = None) -> list[tuple[str, str]]:
+    """Reward at the start and end of the run (a fifth of the logged steps each), the SNR factor, steps and time (of
+    every segment of a resumed run: the summary's `train_runtime_all_segments`, else ``training_seconds``)."""
     # a reward function that returns None for every completion leaves None (or NaN) in the logs: no number to show
     steps = [entry for entry in history if _is_finite_number(entry.get("reward"))]
     rows = []
@@ -67,7 +72,9 @@ def final_metrics(history: list[dict]) -> list[tuple[str, str]]:
         rows.append(("learning-rate factor", f"mean {statistics.fmean(factors):.3f}, range {min(factors):.3f}–{max(factors):.3f}"))
     summary = next((entry for entry in reversed(history) if "train_runtime" in entry), None)
     if summary is not None:
-        rows.append(("training time", f"{summary['train_runtime']:.0f} s"))
+        training_seconds = summary.get(TOTAL_RUNTIME_KEY, summary["train_runtime"])
+    if training_seconds is not None:
+        rows.append(("training time", f"{training_seconds:.0f} s"))
     if history:
         rows.append(("optimizer steps", str(max(entry.get("step", 0) for entry in history))))
     return rows
@@ -108,7 +115,7 @@ def model_card_text(facts: ModelCardFacts) -> str:
         "| setting | value |", "|---|---|",
         *[f"| {name} | {value} |" for name, value in facts.settings.items()], "",
     ]
-    metrics = final_metrics(facts.log_history)
+    metrics = final_metrics(facts.log_history, facts.training_seconds)
     if metrics:
         lines += ["Results of the run (the full log: `trainer_state.json`):", "", "| metric | value |", "|---|---|",
                   *[f"| {name} | {value} |" for name, value in metrics], ""]

@@ -31,14 +31,15 @@ def cache_dir() -> Path:
     return Path(os.environ.get("OBLR_TRL_CACHE", Path.home() / ".cache" / "oblr-trl"))
 
 
-def resolve_model(name_or_path: str) -> str:
-    """A Hub id or path as is; a ``builtin:`` id as the path of its exported copy (exported on first use)."""
+def resolve_model(name_or_path: str, option: str = "`model_name_or_path`") -> str:
+    """A Hub id or path as is; a ``builtin:`` id as the path of its exported copy (exported on first use). ``option``
+    is how an error names the setting (the trainer's ``model``, the CLI's ``model_name_or_path``)."""
     if not name_or_path.startswith(BUILTIN_PREFIX):
         return name_or_path
     name = name_or_path[len(BUILTIN_PREFIX) :]
     if name not in BUILTIN_MODELS:
         raise ValueError(
-            f"Invalid value for `model_name_or_path`: {name_or_path!r}. Allowed built-in models: "
+            f"Invalid value for {option}: {name_or_path!r}. Allowed built-in models: "
             f"{', '.join(BUILTIN_PREFIX + n for n in BUILTIN_MODELS)}; or any Hub id or local path."
         )
     target = cache_dir() / name

@@ -49,6 +49,7 @@ def plot_run(run_dir: str | Path, output: str | Path | None = None) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     history = load_log_history(run_dir)
     figure, axes = plt.subplots(2, 3, figsize=(15, 8), constrained_layout=True)
@@ -56,6 +57,7 @@ def plot_run(run_dir: str | Path, output: str | Path | None = None) -> Path:
         steps, values = _series(history, key)
         axis.set_title(title)
         axis.set_xlabel("optimizer step")
+        axis.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
         if values:
             axis.plot(steps, values, marker="." if len(values) < 50 else None)
             if key in ("snr/snr",) and min(values) > 0:

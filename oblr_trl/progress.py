@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from transformers.trainer_callback import ProgressCallback
 
-__all__ = ["ConciseProgressCallback"]
+from .model_card import TOTAL_RUNTIME_KEY, counted
+
+__all__ = ["ConciseProgressCallback", "training_summary"]
 
 # (what the bar calls it, the logged keys to take it from, in order of preference)
 SHOWN = (
@@ -30,6 +32,13 @@ def summary(logs: dict) -> dict[str, str]:
     return shown
 
 
+def training_summary(steps: int, logs: dict) -> str:
+    """'trained 6 steps in 45 s (0.133 steps/s)', with the last segment's seconds when the run was resumed."""
+    total, segment = logs.get(TOTAL_RUNTIME_KEY, logs["train_runtime"]), logs["train_runtime"]
+    line = f"trained {counted(steps, 'step')} in {total:.0f} s ({steps / total if total > 0 else float('nan'):.3f} steps/s)"
+    return line + (f"; this segment {segment:.0f} s" if round(total) != round(segment) else "")
+
+
 class ConciseProgressCallback(ProgressCallback):
     """`ProgressCallback` whose training logs update the bar's postfix instead of printing a dict per step."""
 
@@ -42,11 +51,8 @@ class ConciseProgressCallback(ProgressCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not state.is_world_process_zero or self.training_bar is None or not logs:
             return
-        if "train_runtime" in logs:  # the end-of-training summary: one line
-            self.training_bar.write(
-                f"trained {state.global_step} steps in {logs['train_runtime']:.0f} s "
-                f"({logs.get('train_steps_per_second', float('nan')):.3f} steps/s)"
-            )
+        if "train_runtime" in logs:  # the end-of-training summary: one line, over every segment of a resumed run
+            self.training_bar.write(training_summary(state.global_step, logs))
         elif "reward" in logs or "loss" in logs:
             self.training_bar.set_postfix(summary(logs))
         else:  # evaluation and anything else keeps the default output

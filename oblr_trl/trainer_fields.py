@@ -3,7 +3,8 @@
 Recorded for the versions in `RECORDED_FOR`, so that a misspelt flag or recipe field is refused before torch,
 transformers and TRL are imported (6 s on an idle machine, up to a minute on a busy one). With other versions
 installed, `known_trainer_fields()` returns None and the check waits for the real parser. Regenerate after a version
-change with `python -m oblr_trl.trainer_fields`; `tests/test_cli.py` compares the record with the installed classes.
+change with `python scripts/record_trainer_fields.py`; `tests/test_cli.py` compares the record with the installed
+classes (`oblr_trl.cli.installed_trainer_fields`). This module imports nothing of the package: the CLI reads it.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-__all__ = ["RECORDED_FOR", "known_trainer_fields"]
+__all__ = ["RECORDED_FOR", "known_trainer_fields", "write_record"]
 
 RECORDED_FOR = {"trl": "1.16.0", "transformers": "5.23.0"}
 _RECORD = Path(__file__).with_name("trainer_fields.txt")
@@ -27,18 +28,8 @@ def known_trainer_fields() -> frozenset[str] | None:
     return frozenset(_RECORD.read_text().split())
 
 
-def read_installed_fields() -> set[str]:
-    """The names the real parser of `oblr-trl train` accepts, less the ones oblr-trl defines itself (imports TRL)."""
-    from dataclasses import fields
-
-    from .cli import TaskArguments, make_train_parser
-    from .options import OBLRPOOptions
-
-    own = {f.name for f in fields(TaskArguments)} | {f.name for f in fields(OBLRPOOptions)}
-    return {action.dest for action in make_train_parser()._actions} - own
-
-
-if __name__ == "__main__":
-    _RECORD.write_text("\n".join(sorted(read_installed_fields())) + "\n")
-    RECORDED_FOR.update({package: version(package) for package in RECORDED_FOR})
-    print(f"wrote {_RECORD}; set RECORDED_FOR = {RECORDED_FOR} in {__file__}")
+def write_record(names: set[str]) -> str:
+    """Record ``names`` for the installed versions; returns what to set `RECORDED_FOR` to in this file."""
+    _RECORD.write_text("\n".join(sorted(names)) + "\n")
+    installed = {package: version(package) for package in RECORDED_FOR}
+    return f"wrote {_RECORD}; set RECORDED_FOR = {installed} in {__file__}"

@@ -52,7 +52,7 @@ class StepRecorder(TrainerCallback):
             optimizer.register_step_pre_hook(self._record_lr)
             self.hooked = optimizer
             self.initial = self._snapshot()
-            scale = self.trainer._lr_scale
+            scale = self.trainer.step_control.lr_scale
             log = scale.on_scaled
 
             def recording_log(scheduled, factor):

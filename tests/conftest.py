@@ -14,7 +14,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest
 import torch
 
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# OBLR_TRL_TEST_THREADS=1 runs the suite single-threaded (it must pass with 1 and 2 threads alike)
+torch.set_num_threads(int(os.environ.get("OBLR_TRL_TEST_THREADS", min(2, torch.get_num_threads()))))
 
 
 def digit_fraction_reward(completions, **kwargs):
@@ -134,3 +135,30 @@ def no_model_load(monkeypatch):
 
     monkeypatch.setattr(oblr_trl.models, "resolve_model", refuse)
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", refuse)
+
+
+# Option sets every multi-process layout must reproduce (tests/test_fsdp2.py, tests/test_multiprocess.py). Clipping at
+# 0.05 acts on every step of these runs (their pre-clip norms are larger), so "with clipping" means clipped steps.
+CLIP = 0.05
+BACKEND_MATRIX = [
+    {"baseline_weights": weights, "snr_estimator": estimator, "num_iterations": iterations,
+     "tie_word_embeddings": tied, "max_grad_norm": clip}
+    for weights in ("logit", "exact")
+    for estimator in ("cross_step", "per_sample")
+    for iterations in (1, 2)
+    for tied in (False, True)
+    for clip in (0.0, CLIP)
+]
+
+
+def backend_case_id(case: dict) -> str:
+    return "-".join([case["baseline_weights"], case["snr_estimator"], f"iterations{case['num_iterations']}",
+                     "tied" if case["tie_word_embeddings"] else "untied", "clipped" if case["max_grad_norm"] else "unclipped"])
+
+
+@pytest.fixture(scope="session")
+def single_process_matrix(tmp_path_factory):
+    """Every case of `BACKEND_MATRIX` on 1 process (4 micro-batches of 2 completions a step): the reference."""
+    from test_multiprocess import launch_cases
+
+    return launch_cases(tmp_path_factory.mktemp("single"), 1, 4, BACKEND_MATRIX)

@@ -4,7 +4,7 @@ Completions are a deterministic function of (prompt, position in its group, gene
 the generation batch is turned off, so a 1-process and a 2-process run see the same completions and the same
 micro-batches; only the process layout differs. Rank 0 writes what the trainer computed to a JSON file.
 
-`--fsdp2` shards the policy with FSDP2 through accelerate's own `fsdp2_prepare_model` (transformer layers, then the
+A case with `fsdp2` shards the policy with FSDP2 through accelerate's own `fsdp2_prepare_model` (transformer layers, then the
 root, as `recipes/accelerate_configs/fsdp.yaml` asks). accelerate sets FSDP up only for GPU-like devices and falls
 back to DDP on a CPU; `allow_fsdp_on_cpu` lifts that one refusal, so everything after it (wrapping, gradient
 accumulation without sync, clipping of DTensor gradients, the optimizer on shards) is accelerate's and torch's real
@@ -75,40 +75,18 @@ def reward(completions, **kwargs):
     return [sum(ch.isdigit() for ch in c) / (1 + len(c)) for c in completions]
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--output", required=True)
-    parser.add_argument("--per_device_train_batch_size", type=int, required=True)
-    parser.add_argument("--gradient_accumulation_steps", type=int, required=True)
-    parser.add_argument("--num_iterations", type=int, default=1)
-    parser.add_argument("--baseline_weights", default="logit")
-    parser.add_argument("--snr_estimator", default="two_batch")
-    parser.add_argument("--snr_lr_reference", default="absolute")
-    parser.add_argument("--max_grad_norm", type=float, default=1.0)
-    parser.add_argument("--fsdp2", action="store_true")
-    parser.add_argument("--tie_word_embeddings", action="store_true")
-    parser.add_argument("--sketch_first_shard_only", action="store_true",
-                        help="FSDP2: only rank 0 sketches its rows (the sum over shards dropped), for the negative test")
-    args = parser.parse_args()
-    if args.sketch_first_shard_only:
-        import oblr_trl.step_noise as step_noise
-
-        sketch_all = step_noise.sketch_step_gradients
-        step_noise.sketch_step_gradients = lambda params, sketch, sharded: (
-            sketch_all(params, sketch, sharded) if int(os.environ["RANK"]) == 0 else None
-        )
+def run_case(case: dict, output_dir: str) -> dict:
+    """One 4-step training run with the options of ``case``; what rank 0 reports of it."""
     fsdp = {}
-    if args.fsdp2:
-        allow_fsdp_on_cpu()
+    if case.get("fsdp2"):
         fsdp = {"fsdp": "full_shard", "fsdp_config": {"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
                                                       "reshard_after_forward": True}}
-
     tokenizer = tiny_tokenizer()
     config = OBLRPOConfig(
-        output_dir=os.path.dirname(args.output),
-        per_device_train_batch_size=args.per_device_train_batch_size,
-        gradient_accumulation_steps=args.gradient_accumulation_steps,
-        num_iterations=args.num_iterations,
+        output_dir=output_dir,
+        per_device_train_batch_size=case["per_device_train_batch_size"],
+        gradient_accumulation_steps=case["gradient_accumulation_steps"],
+        num_iterations=case.get("num_iterations", 1),
         num_generations=8,
         max_completion_length=6,
         max_steps=4,
@@ -120,16 +98,16 @@ def main():
         use_cpu=True,
         gradient_checkpointing=False,
         snr_warmup_steps=1,
-        baseline_weights=args.baseline_weights,
-        snr_estimator=args.snr_estimator,
-        snr_lr_reference=args.snr_lr_reference,
+        baseline_weights=case.get("baseline_weights", "logit"),
+        snr_estimator=case.get("snr_estimator", "two_batch"),
+        snr_lr_reference=case.get("snr_lr_reference", "absolute"),
         shuffle_dataset=False,
-        max_grad_norm=args.max_grad_norm,
+        max_grad_norm=case.get("max_grad_norm", 1.0),
         seed=0,
         **fsdp,
     )
     trainer = DeterministicTrainer(
-        model=tiny_causal_lm(tokenizer, tie_word_embeddings=args.tie_word_embeddings),
+        model=tiny_causal_lm(tokenizer, tie_word_embeddings=case.get("tie_word_embeddings", False)),
         reward_funcs=reward,
         args=config,
         train_dataset=Dataset.from_dict({"prompt": [f"{a}*{b}=" for a in range(6) for b in range(6)]}),
@@ -137,12 +115,37 @@ def main():
     )
     trainer.train()
     parameters = parameter_summary(trainer.model_wrapped)
-    if trainer.accelerator.is_main_process:
-        keys = ("snr/grad_sq_norm", "snr/trace_cov", "snr/lr_factor", "snr/effective_lr", "grad_norm", "loss")
-        steps = [{k: h.get(k) for k in keys} for h in trainer.state.log_history if "loss" in h]
+    keys = ("snr/grad_sq_norm", "snr/trace_cov", "snr/lr_factor", "snr/effective_lr", "grad_norm", "loss",
+            "snr/full_batch_grad_sq_norm", "snr/small_batch_grad_sq_norm")
+    steps = [{k: h.get(k) for k in keys} for h in trainer.state.log_history if "loss" in h]
+    return {"processes": trainer.accelerator.num_processes, "batches": trainer.gathered, "steps": steps,
+            "distributed_type": str(trainer.accelerator.distributed_type), "parameters": parameters,
+            "is_main_process": trainer.accelerator.is_main_process}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--output", required=True)
+    parser.add_argument("--cases", required=True, help="JSON list of cases: each a dict of the run's options")
+    args = parser.parse_args()
+    cases = json.loads(args.cases)
+    if any(case.get("sketch_first_shard_only") for case in cases):  # the negative test: the sum over shards dropped
+        import oblr_trl.step_noise as step_noise
+
+        sketch_all = step_noise.sketch_step_gradients
+        step_noise.sketch_step_gradients = lambda params, sketch, sharded: (
+            sketch_all(params, sketch, sharded) if int(os.environ["RANK"]) == 0 else None
+        )
+    if any(case.get("fsdp2") for case in cases):
+        allow_fsdp_on_cpu()
+    # several cases in one launch: the interpreter, torch and the process group start once
+    results = [run_case(case, os.path.join(os.path.dirname(args.output), str(index)))
+               for index, case in enumerate(cases)]
+    if results[0].pop("is_main_process"):
+        for result in results[1:]:
+            result.pop("is_main_process")
         with open(args.output, "w") as f:
-            json.dump({"processes": trainer.accelerator.num_processes, "batches": trainer.gathered, "steps": steps,
-                       "distributed_type": str(trainer.accelerator.distributed_type), "parameters": parameters}, f)
+            json.dump(results, f)
 
 
 if __name__ == "__main__":

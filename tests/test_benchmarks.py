@@ -171,3 +171,19 @@ def test_stability_smoke(saved_tiny_model, tmp_path):
     resolve = json.loads((tmp_path / "summary.json").read_text())["resolve"]
     assert sorted(r["method"].split("@")[0] for r in resolve) == ["grpo", "oblrpo"]
     assert all(len(r["lr_factor"]) == 1 for r in resolve) and "t: largest / last" in out
+
+
+def test_results_record_the_load_average_and_warn_above_the_cores(tmp_path, monkeypatch, capsys):
+    """A timing taken beside another job is not a timing: the environment block says how busy the machine was."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import common
+
+    assert common.load_warning(0.5, 1.9, 2) is None
+    assert "above the 2 cores" in common.load_warning(0.5, 2.5, 2)
+    monkeypatch.setattr(common.os, "getloadavg", lambda: (7.0, 7.0, 7.0))
+    monkeypatch.setattr(common.os, "cpu_count", lambda: 2)
+    json_path, md_path = common.write_results(tmp_path, "busy", {"value": 1}, "| a |")
+    environment = json.loads(json_path.read_text())["environment"]
+    assert environment["load_average_end"] == 7.0 and "load_average_start" in environment
+    assert "above the 2 cores" in environment["load_warning"] and "load_warning" in md_path.read_text()
+    assert "warning: load average" in capsys.readouterr().err

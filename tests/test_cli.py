@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from oblr_trl.cli import UsageError, embedded_recipe, main, parse_train_args
+from oblr_trl.cli import UsageError, embedded_recipe, installed_trainer_fields, main, parse_train_args
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted(p for p in (ROOT / "recipes").rglob("*.yaml") if "accelerate_configs" not in p.parts)
@@ -170,6 +170,11 @@ def test_a_folder_holding_another_run_is_refused_before_any_model_loads(tmp_path
     assert main(["train", "--output_dir", str(run), "--max_steps", "1"]) == 2
     message = capsys.readouterr().err
     assert str(run) in message and "--overwrite_output_dir" in message and "--resume_from_checkpoint" in message
+    assert "(1 checkpoint, trainer_state.json)" in message
+    (run / "checkpoint-60").rmdir()
+    assert main(["train", "--output_dir", str(run), "--max_steps", "1"]) == 2
+    assert "(trainer_state.json)" in capsys.readouterr().err  # not "0 checkpoints"
+    (run / "checkpoint-60").mkdir()
 
     from oblr_trl.cli import prepare_output_dir
 
@@ -280,7 +285,15 @@ MISTAKES = {
     "plot: no run": (lambda tmp: ["plot", str(tmp / "nothing")], "no trainer_state.json"),
     "eval: interrupted run": (lambda tmp: ["eval", "--model", _interrupted_run(tmp), "--task", "arithmetic"],
                               "Invalid value for --model:", "holds no final model", "checkpoint-12: give that folder"),
+    "output folder of another run": (lambda tmp: ["train", "--output_dir", _finished_run(tmp), "--max_steps", "1"],
+                                     "holds another run (trainer_state.json)"),
 }
+
+
+def _finished_run(tmp_path) -> str:
+    (tmp_path / "finished").mkdir(exist_ok=True)
+    (tmp_path / "finished" / "trainer_state.json").write_text("{}")
+    return str(tmp_path / "finished")
 
 
 def _interrupted_run(tmp_path) -> str:
@@ -291,7 +304,7 @@ def _interrupted_run(tmp_path) -> str:
 
 # the mistakes `train` finds before torch, transformers and TRL are imported
 EARLY_MISTAKES = ["missing --config file", "YAML syntax", "YAML field typo", "flag typo", "bad OBLR-PO choice",
-                  "unknown task", "negative learning rate", "zero batch"]
+                  "unknown task", "negative learning rate", "zero batch", "output folder of another run"]
 
 
 def test_train_mistakes_are_answered_before_torch_transformers_or_trl_load(tmp_path):
@@ -310,12 +323,23 @@ def test_train_mistakes_are_answered_before_torch_transformers_or_trl_load(tmp_p
 
 @pytest.mark.parametrize("command", [["eval", "--model", "m", "--task", "arithmetic", "--max_new_token", "4"],
                                      ["plot", "runs/x", "--out", "x.png"]])
-def test_eval_and_plot_refuse_flag_prefixes_with_their_own_usage(command, capsys):
+def test_eval_and_plot_name_an_unknown_flag_with_the_nearest_one(command, capsys):
+    assert main(command) == 2
+    err = capsys.readouterr().err.strip()
+    nearest = {"eval": "--max_new_tokens", "plot": "--output"}[command[0]]
+    assert err == (f"oblr-trl: error: unknown flag {command[-2]} (did you mean {nearest}?); "
+                   f"see `oblr-trl {command[0]} --help`")
+
+
+def test_version_and_the_bare_command(capsys):
+    from oblr_trl import __version__
+
     with pytest.raises(SystemExit) as stopped:
-        main(command)
-    assert stopped.value.code == 2
-    err = capsys.readouterr().err
-    assert f"usage: oblr-trl {command[0]}" in err and f"unrecognized arguments: {command[-2]}" in err
+        main(["--version"])
+    assert stopped.value.code == 0 and capsys.readouterr().out.strip().endswith(__version__)
+    assert main([]) == 2
+    out = capsys.readouterr().out
+    assert "usage: oblr-trl" in out and all(command in out for command in ("train", "eval", "plot", "tasks"))
 
 
 def test_a_gpu_recipe_on_a_cpu_says_so_in_one_line(tmp_path, no_model_load, capsys, monkeypatch):
@@ -327,6 +351,14 @@ def test_a_gpu_recipe_on_a_cpu_says_so_in_one_line(tmp_path, no_model_load, caps
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "needs a GPU (bf16: true, use_vllm: true)" in err
     assert "--bf16 false --use_vllm false --use_cpu true" in err and "use_cpu` if" not in err
+    # the hint is a command that runs offline: the recipe's task is gsm8k from the Hub, so it names a shipped one
+    hinted = err.split("try it offline with: oblr-trl train ")[1].split(" (")[0].split()
+    assert hinted[hinted.index("--task") + 1] == "arithmetic" and "builtin:smollm2-135m-instruct" in hinted
+    task_args, training_args, model_args, _ = parse_train_args(hinted)
+    assert (training_args.bf16, training_args.use_vllm, training_args.use_cpu) == (False, False, True)
+    from oblr_trl.tasks import load_task
+
+    assert len(load_task(task_args.task, "train", task_args.options())) > 0  # no Hub
     assert main(["train", "--config", str(recipe), "--bf16", "false", "--use_vllm", "false", "--task", "nosuch",
                  "--output_dir", str(tmp_path / "run")]) == 2  # with both turned off it goes on to the next check
     assert "`task`: 'nosuch'" in capsys.readouterr().err
@@ -338,8 +370,8 @@ def test_recorded_trainer_fields_are_the_installed_ones():
     from oblr_trl import trainer_fields
 
     recorded = trainer_fields.known_trainer_fields()
-    assert recorded is not None, "installed trl/transformers differ from RECORDED_FOR: python -m oblr_trl.trainer_fields"
-    assert recorded == trainer_fields.read_installed_fields()
+    assert recorded is not None, "installed trl/transformers differ from RECORDED_FOR: scripts/record_trainer_fields.py"
+    assert recorded == installed_trainer_fields()
 
 
 @pytest.mark.parametrize("mistake", list(MISTAKES))
@@ -349,7 +381,8 @@ def test_each_mistake_gives_one_line_and_exit_2_before_any_model_loads(mistake, 
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # never the network in tests
     argv, *expected = MISTAKES[mistake]
-    output_dir = ["--output_dir", str(tmp_path / "run")] if argv(tmp_path)[0] == "train" else []
+    command = argv(tmp_path)
+    output_dir = ["--output_dir", str(tmp_path / "run")] if command[0] == "train" and "--output_dir" not in command else []
     assert main([*argv(tmp_path), *output_dir]) == 2
     out, err = capsys.readouterr()
     lines = [line for line in err.splitlines() if line.strip() and "Generating train split" not in line]
@@ -457,3 +490,22 @@ def test_model_card_names_the_hub_id_a_local_folder_came_from(tmp_path):
     assert model_card_id(str(tmp_path)) is None
     assert model_card_id("builtin:smollm2-135m-instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert model_card_id("Qwen/Qwen3-8B-Base") == "Qwen/Qwen3-8B-Base"
+
+
+def test_training_curves_label_whole_optimizer_steps(tmp_path, monkeypatch):
+    import matplotlib.figure
+
+    from oblr_trl.plotting import plot_run
+
+    history = [{"step": step, "loss": 0.1, "reward": 0.1 * step} for step in (1, 2, 3)]
+    (tmp_path / "trainer_state.json").write_text(json.dumps({"log_history": history}))
+    ticks, save = [], matplotlib.figure.Figure.savefig
+
+    def recording_save(figure, *args, **kwargs):
+        figure.canvas.draw()
+        ticks.extend(tick for axis in figure.axes for tick in axis.get_xticks())
+        return save(figure, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", recording_save)
+    plot_run(tmp_path)
+    assert ticks and all(float(tick).is_integer() for tick in ticks)  # not 1.25, 1.5, …

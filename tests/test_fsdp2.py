@@ -1,4 +1,5 @@
-"""FSDP2 equivalence: 2 CPU processes with the policy sharded by FSDP2 (gloo) against 1 unsharded process.
+"""FSDP2 equivalence for every option set: 2 CPU processes with the policy sharded by FSDP2 (gloo) against 1 unsharded
+process.
 
 The same deterministic generation batches as `test_multiprocess.py` (groups of 8 completions spanning both ranks,
 gradient accumulation on each rank: FSDP2 accumulates without sync and reduce-scatters on the last micro-batch). The
@@ -6,57 +7,41 @@ model is wrapped by accelerate's own `fsdp2_prepare_model`; accelerate keeps DDP
 one refusal (`oblr_trl.testing.allow_fsdp_on_cpu`). The GPU path through `accelerate launch` is
 `tests/test_gpu.py::test_fsdp2_accelerate_launch`.
 
-What must agree: advantages, weights, ‖μ‖², tr Σ, the factor f_t, the gradient norm and the trained parameters, for
-the defaults (cross_step, logit weights, pooled_slope; the factor read as 'absolute' so that it moves within 4 steps
-— the calibrated reference stays at 1 that early) and for `exact` weights with `per_sample` SNR.
+The matrix (`BACKEND_MATRIX` in conftest): weights {logit, exact} × SNR estimator {cross_step, per_sample} ×
+`num_iterations` {1, 2} × tied and untied embeddings × with and without clipping, every case in one launch of each
+layout. What must agree: weights, advantages, ‖μ‖², tr Σ, the factor f_t (read as 'absolute' so that it moves within 4
+steps), the gradient norm and the trained parameters. The `exact` and `per_sample` cases with `num_iterations=1` fail
+without `initialise_fsdp2_root`: nothing runs the whole model before the first per-sample norms there.
 """
 
 import pytest
 
-from test_multiprocess import launch
-
-CASES = {
-    "defaults": {"num_iterations": 1, "baseline_weights": "logit", "snr_estimator": "cross_step"},
-    # tied input/output embeddings (Qwen3-4B, SmolLM2): the ghost norms' LM-head and cross terms on a sharded root
-    "exact-per_sample-tied": {"num_iterations": 2, "baseline_weights": "exact", "snr_estimator": "per_sample",
-                              "tie_word_embeddings": True},
-}
-SNR_KEYS = ("snr/grad_sq_norm", "snr/trace_cov", "snr/lr_factor", "snr/effective_lr", "grad_norm")
+from conftest import BACKEND_MATRIX, backend_case_id
+from test_multiprocess import assert_runs_match, launch, launch_cases
 
 
-def _steps(result, options):
-    # cross_step: step 1 has no previous step to pair with
-    return result["steps"][1:] if options["snr_estimator"] == "cross_step" else result["steps"]
+@pytest.fixture(scope="module")
+def fsdp2_matrix(tmp_path_factory):
+    return launch_cases(tmp_path_factory.mktemp("fsdp2"), 2, 2, [{**case, "fsdp2": True} for case in BACKEND_MATRIX])
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_fsdp2_on_two_processes_matches_one_unsharded_process(tmp_path, case):
-    options = CASES[case]
-    single = launch(tmp_path / "single", 1, 4, options)
-    sharded = launch(tmp_path / "sharded", 2, 2, {**options, "fsdp2": True})
+@pytest.mark.parametrize("index", range(len(BACKEND_MATRIX)), ids=[backend_case_id(c) for c in BACKEND_MATRIX])
+def test_fsdp2_on_two_processes_matches_one_unsharded_process(single_process_matrix, fsdp2_matrix, index):
+    sharded = fsdp2_matrix[index]
     assert sharded["distributed_type"] == "DistributedType.FSDP" and sharded["processes"] == 2
-    assert len(single["batches"]) == len(sharded["batches"]) >= 2
-    for one, two in zip(single["batches"], sharded["batches"], strict=True):
-        assert one["weights"] == pytest.approx(two["weights"], rel=1e-4, abs=1e-6)
-        assert one["advantages"] == pytest.approx(two["advantages"], rel=1e-4, abs=1e-6)
-    assert len(single["steps"]) == len(sharded["steps"]) == 4
-    for one, two in zip(_steps(single, options), _steps(sharded, options), strict=True):
-        for key in SNR_KEYS:
-            assert one[key] == pytest.approx(two[key], rel=1e-3, abs=1e-7), (key, one[key], two[key])
-    assert any(step["snr/lr_factor"] < 1.0 for step in single["steps"])  # the factor acted on the updates compared
-    for one, two in zip(single["parameters"], sharded["parameters"], strict=True):
-        assert one == pytest.approx(two, rel=1e-4, abs=1e-5)
+    assert_runs_match(single_process_matrix[index], sharded, BACKEND_MATRIX[index])
 
 
-def test_one_shard_alone_does_not_give_the_step_gradient(tmp_path):
-    """The same run with only rank 0's rows sketched: the cross-step estimates move, so the test above would fail if
-    the sum over shards were dropped."""
-    options = CASES["defaults"]
-    single = launch(tmp_path / "single", 1, 4, options)
-    partial = launch(tmp_path / "partial", 2, 2, {**options, "fsdp2": True, "sketch_first_shard_only": True})
+def test_one_shard_alone_does_not_give_the_step_gradient(tmp_path, single_process_matrix):
+    """The defaults with only rank 0's rows sketched: the cross-step estimates move, so the matrix would fail if the
+    sum over shards were dropped."""
+    index = BACKEND_MATRIX.index({"baseline_weights": "logit", "snr_estimator": "cross_step", "num_iterations": 1,
+                                  "tie_word_embeddings": False, "max_grad_norm": 0.0})
+    single = single_process_matrix[index]
+    partial = launch(tmp_path / "partial", 2, 2, {**BACKEND_MATRIX[index], "fsdp2": True, "sketch_first_shard_only": True})
     differs = [
         one[key] != pytest.approx(two[key], rel=1e-2)
-        for one, two in zip(_steps(single, options), _steps(partial, options), strict=True)
+        for one, two in zip(single["steps"][1:], partial["steps"][1:], strict=True)  # step 1 has no pair
         for key in ("snr/grad_sq_norm", "snr/trace_cov")
     ]
     assert any(differs)

@@ -99,10 +99,8 @@ def test_empty_completions(make_trainer, monkeypatch, baseline_weights):
 class BadWeights(RecordingTrainer):
     def __init__(self, *args, weights=(), **kwargs):
         super().__init__(*args, **kwargs)
-        self.forced = torch.tensor(weights)
-
-    def _completion_weights(self, output, record, mode):
-        return self.forced[: output["completion_ids"].size(0)].repeat(8)[: output["completion_ids"].size(0)]
+        forced = torch.tensor(weights)
+        self.completion_weights.compute = lambda output, record, mode: forced.repeat(8)[: output["completion_ids"].size(0)]
 
 
 @pytest.mark.parametrize(

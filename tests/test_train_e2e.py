@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from oblr_trl import OBLRPOTrainer
+from oblr_trl.completion_weights import CompletionWeights
 
 from conftest import digit_fraction_reward, vowel_reward
 
@@ -59,11 +60,15 @@ def test_reference_model_with_beta(make_trainer, tokenizer, tmp_path):
     assert all(math.isfinite(h["kl"]) for h in logged)
 
 
+class WeightsWithoutGenerationLogits(CompletionWeights):
+    def captures_generation_logits(self):
+        return False
+
+
 class NoGenerationCapture(OBLRPOTrainer):
     """As under vLLM: the generation logits are not available to the trainer."""
 
-    def _captures_generation_logits(self):
-        return False
+    weights_class = WeightsWithoutGenerationLogits
 
 
 @pytest.mark.parametrize(

@@ -14,6 +14,7 @@ from oblr_trl.optim_hooks import innermost_optimizer
 from oblr_trl.weights import log_sum_sq_probs, logit_proxy_weights
 
 from conftest import digit_fraction_reward, vowel_reward
+from tolerances import noise_terms_scale
 
 
 def reference_weights(model, output, estimator, temperature):
@@ -140,13 +141,13 @@ def test_importance_weighted_baseline_squares_the_ratio(make_trainer):
         "completion_mask": torch.tensor([[1, 1, 1], [1, 1, 0]]),
         "importance_sampling_ratio": torch.tensor([[2.0], [0.5]]),
     }
-    on = make_trainer(baseline_weights="length")._completion_weights(output, None, "train")
-    off = make_trainer(baseline_weights="length", importance_weighted_baseline=False)._completion_weights(
+    on = make_trainer(baseline_weights="length").completion_weights.compute(output, None, "train")
+    off = make_trainer(baseline_weights="length", importance_weighted_baseline=False).completion_weights.compute(
         output, None, "train"
     )
     assert off.tolist() == [3.0, 2.0]
     assert on.tolist() == [12.0, 0.5]
-    uniform = make_trainer(baseline_weights="uniform")._completion_weights(output, None, "train")
+    uniform = make_trainer(baseline_weights="uniform").completion_weights.compute(output, None, "train")
     assert uniform.tolist() == [1.0, 1.0]
 
 
@@ -217,9 +218,10 @@ def test_per_sample_and_two_batch_coincide_with_one_completion_per_micro_batch(m
     )
     trainer.train()
     logged = [h for h in trainer.state.log_history if "loss" in h]
-    for h in logged:
-        assert h["snr/two_batch/trace_cov"] == pytest.approx(h["snr/trace_cov"], rel=1e-4)
-        assert h["snr/two_batch/grad_sq_norm"] == pytest.approx(h["snr/grad_sq_norm"], rel=1e-3, abs=1e-9)
+    for h in logged:  # both are differences: compared in the scale of their terms (tests/tolerances.py)
+        scale = noise_terms_scale(h)
+        assert h["snr/two_batch/trace_cov"] == pytest.approx(h["snr/trace_cov"], abs=1e-4 * 8 * scale)
+        assert h["snr/two_batch/grad_sq_norm"] == pytest.approx(h["snr/grad_sq_norm"], abs=1e-4 * scale)
 
 
 def test_metrics_are_logged_and_finite(make_trainer):
@@ -243,7 +245,7 @@ def test_model_card_credits_oblr_po(make_trainer, tmp_path):
 
 def test_per_sample_batch_size_sets_the_chunks_of_the_norm_pass(make_trainer, monkeypatch):
     """Rows do not interact, so the chunking changes peak memory, never the norms."""
-    import oblr_trl.trainer as trainer_module
+    import oblr_trl.completion_weights as trainer_module
 
     chunks = []
     batched = trainer_module.log_likelihood_grad_sq_norms
@@ -265,7 +267,7 @@ def test_per_sample_batch_size_sets_the_chunks_of_the_norm_pass(make_trainer, mo
     for size in (None, 1, 5):
         chunks.clear()
         trainer = make_trainer(baseline_weights="exact", per_sample_batch_size=size)
-        norms[size] = trainer._per_sample_grad_sq_norms(batch, scale)
+        norms[size] = trainer.completion_weights.grad_sq_norms(batch, scale)
         assert chunks == {None: [4, 2], 1: [1] * 6, 5: [5, 1]}[size]  # None: per_device_train_batch_size (4)
     assert torch.allclose(norms[1], norms[None], rtol=1e-5) and torch.allclose(norms[5], norms[None], rtol=1e-5)
 
@@ -374,7 +376,7 @@ def test_builtin_model_ids_work_from_python(tmp_path, tokenizer, monkeypatch, pr
     assert trainer.model.config.vocab_size == tokenizer.vocab_size and Path(trainer.model.name_or_path) == exported
     assert trainer.args.output_dir == "smollm2-135m-instruct-OBLR-PO"  # no "builtin:" in a folder name
     assert trainer.base_model_id == "HuggingFaceTB/SmolLM2-135M-Instruct"  # what the model card names
-    with pytest.raises(ValueError, match="builtin:smollm2-135m-instruct"):
+    with pytest.raises(ValueError, match=r"Invalid value for `model`: 'builtin:gpt-5'.*builtin:smollm2-135m-instruct"):
         OBLRPOTrainer(model="builtin:gpt-5", reward_funcs=digit_fraction_reward, train_dataset=prompt_dataset)
 
 
@@ -396,12 +398,12 @@ def test_a_run_whose_rewards_are_all_none_keeps_its_checkpoints(make_trainer, tm
 
 
 def test_a_failing_model_card_never_fails_the_save(make_trainer, tmp_path, monkeypatch):
-    import oblr_trl.trainer
+    import oblr_trl.run_records
 
     def broken(facts):
         raise RuntimeError("card template broke")
 
-    monkeypatch.setattr(oblr_trl.trainer, "model_card_text", broken)
+    monkeypatch.setattr(oblr_trl.run_records, "model_card_text", broken)
     trainer = make_trainer(max_steps=1, save_strategy="steps", save_steps=1)
     with pytest.warns(UserWarning, match="model card was not written.*card template broke"):
         trainer.train()
@@ -434,11 +436,18 @@ def test_fp16_loss_scale_is_taken_off_the_hooked_gradients(make_trainer, estimat
     scaled = _snr_logs(make_trainer, 1024.0, estimator)
     keys = ["snr/small_batch_grad_sq_norm"] if estimator == "two_batch" else ["snr/grad_sq_norm", "snr/trace_cov"]
     assert all(key in a for a in plain[1:] for key in keys)
+    previous = None
     for a, b in zip(plain, scaled, strict=True):
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-3)
-        for key in keys:  # the cross-step ‖μ‖² is a difference of sketched products: fp16 rounding shows at 1 %
-            if key in a:
-                assert b[key] == pytest.approx(a[key], rel=1e-3 if estimator == "two_batch" else 5e-2), key
+        if estimator == "two_batch":  # a sum of squared norms: no cancellation
+            assert b["snr/small_batch_grad_sq_norm"] == pytest.approx(a["snr/small_batch_grad_sq_norm"], rel=1e-3)
+        elif "snr/grad_sq_norm" in a:
+            # ⟨G_t, G_{t−1}⟩ can be far smaller than its products: fp16 rounding of the gradients moves it by a few
+            # 1e-5 of ‖G_t‖·‖G_{t−1}‖ (measured), whatever the result; a 1e-3 tolerance in that scale (~2 fp16 ulps)
+            scale = noise_terms_scale(a, previous)
+            assert b["snr/grad_sq_norm"] == pytest.approx(a["snr/grad_sq_norm"], abs=1e-3 * scale)
+            assert b["snr/trace_cov"] == pytest.approx(a["snr/trace_cov"], abs=1e-3 * 8 * scale)  # n ≤ 8 samples
+        previous = a
 
 
 def test_calibrated_factor_moves_the_rate_once_the_reference_is_resolved(make_trainer):
@@ -474,9 +483,9 @@ def test_a_layer_the_ghost_norms_do_not_know_falls_back_to_exact_per_row_norms(m
     trainer = make_trainer(model=model, trainer_cls=CapturingTrainer, baseline_weights="exact", max_steps=2)
     with pytest.warns(UserWarning, match=r"model.norm` \(LayerNorm\).*one backward per completion"):
         trainer.train()
-    assert trainer._ghost_norms_unsupported is not None
+    assert trainer.completion_weights.ghost_norms_unsupported is not None
     output, _ = trainer.captured[-1]
-    used = trainer._per_sample_grad_sq_norms(output, output["completion_mask"].float())
+    used = trainer.completion_weights.grad_sq_norms(output, output["completion_mask"].float())
     reference = reference_weights(trainer.model, output, "exact", trainer.temperature)
     assert torch.allclose(used, reference, rtol=1e-4)
 
@@ -505,10 +514,10 @@ def test_weights_take_the_loss_types_per_completion_gain(make_trainer, loss_type
         "completion_mask": torch.tensor([[1, 1, 1], [1, 1, 0]]),
     }
     trainer = make_trainer(baseline_weights="length", loss_type=loss_type)
-    assert trainer._completion_weights(output, None, "train").tolist() == pytest.approx(expected)
+    assert trainer.completion_weights.compute(output, None, "train").tolist() == pytest.approx(expected)
     exact = make_trainer(baseline_weights="exact", loss_type=loss_type)
     scale = output["completion_mask"].float() * (torch.tensor([[1 / 3], [1 / 2]]) if loss_type != "dapo" else 1.0)
-    assert torch.allclose(exact._completion_weights(output, None, "train"), exact._per_sample_grad_sq_norms(output, scale))
+    assert torch.allclose(exact.completion_weights.compute(output, None, "train"), exact.completion_weights.grad_sq_norms(output, scale))
 
 
 def test_snr_options_reach_the_controller(make_trainer):

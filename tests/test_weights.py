@@ -92,7 +92,7 @@ def test_trainer_logit_weights_match_autograd_on_model_logits(make_trainer, toke
         "completion_ids": completion_ids,
         "completion_mask": completion_mask,
     }
-    weights = trainer._completion_weights(output, None, "train")
+    weights = trainer.completion_weights.compute(output, None, "train")
 
     input_ids = torch.cat([prompt_ids, completion_ids], 1)
     attention_mask = torch.cat([prompt_mask, completion_mask], 1)
@@ -107,18 +107,23 @@ def test_weights_from_generation_logits_match_a_forward_pass(make_trainer):
     """The logits transformers' generate computed (with its KV cache) give the same weights as a fresh forward."""
     from oblr_trl import OBLRPOTrainer
 
-    class BothSources(OBLRPOTrainer):
-        pairs = []
+    from oblr_trl.completion_weights import CompletionWeights
 
-        def _completion_weights(self, output, record, mode):
-            used = super()._completion_weights(output, record, mode)  # takes the captured generation logits
-            self.pairs.append((used, super()._completion_weights(output, None, mode)))  # runs a forward
+    pairs = []
+
+    class BothSourcesWeights(CompletionWeights):
+        def compute(self, output, record, mode):
+            used = super().compute(output, record, mode)  # takes the captured generation logits
+            pairs.append((used, super().compute(output, None, mode)))  # runs a forward
             return used
+
+    class BothSources(OBLRPOTrainer):
+        weights_class = BothSourcesWeights
 
     trainer = make_trainer(trainer_cls=BothSources, max_steps=2, temperature=0.8)
     trainer.train()
-    assert len(BothSources.pairs) == 2
-    for from_generation, from_forward in BothSources.pairs:
+    assert len(pairs) == 2
+    for from_generation, from_forward in pairs:
         assert torch.allclose(from_generation, from_forward, rtol=1e-4, atol=1e-6)
 
 
@@ -132,11 +137,17 @@ class LossGradientRecorder:
         finally:
             self._inputs_of_loss = None
 
-    def _per_sample_grad_sq_norms(self, batch, token_scale):
-        if getattr(self, "_inputs_of_loss", None) is batch:
-            self.loss_token_grads.append((token_scale.detach().clone(), batch["advantages"].clone(),
-                                          batch["completion_mask"].clone()))
-        return super()._per_sample_grad_sq_norms(batch, token_scale)
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        measure = self.completion_weights.grad_sq_norms
+
+        def recording(batch, token_scale):
+            if getattr(self, "_inputs_of_loss", None) is batch:
+                self.loss_token_grads.append((token_scale.detach().clone(), batch["advantages"].clone(),
+                                              batch["completion_mask"].clone()))
+            return measure(batch, token_scale)
+
+        self.completion_weights.grad_sq_norms = recording
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "sapo", "bnpo", "dr_grpo", "dapo", "cispo"])

@@ -1,0 +1,318 @@
+"""Where each completion's weight w_i comes from, for the trainer's gradient-weighted baseline (DESIGN §2 table).
+
+[`CompletionWeights`] is the trainer's collaborator for the weights, as `StepNoiseRecorder` is for the SNR: it holds
+what the weights need across a generation batch (the fused LM-head forward that also returns log Σ_v p², the logits
+captured during generation, whether ghost norms run on this model) and turns a generation batch into one weight per
+completion with the pure functions of `oblr_trl.weights`, `oblr_trl.ghost_norms` and `oblr_trl.per_sample`. It also
+measures the per-sample gradient norms the `per_sample` SNR estimator asks for, through the same code.
+
+Sources of the `logit` weights' inputs, cheapest first: the logits transformers' `generate` computed anyway
+(`GenerationLogitStats`); TRL's own no-grad forward (old log-probabilities), recorded while it runs; one chunked
+no-grad forward of its own (logged as `oblr/weights/extra_forward`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import warnings
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from trl.models.utils import disable_gradient_checkpointing
+from trl.trainer.utils import add_fused_lm_head
+
+from .generation_hooks import GenerationLogitStats
+from .ghost_norms import log_likelihood_grad_sq_norms
+from .per_sample import per_sample_grad_sq_norms, row_objective
+from .weights import length_weights, logit_proxy_weights, loss_token_gains, uniform_weights
+
+if TYPE_CHECKING:
+    from .trainer import OBLRPOTrainer
+
+__all__ = ["CompletionWeights", "initialise_fsdp2_root"]
+
+# Keys of TRL's generation output that `_get_per_token_logps_and_entropies` takes as keyword arguments.
+_MULTIMODAL_KEYS = (
+    "pixel_values",
+    "image_grid_thw",
+    "num_images",
+    "pixel_attention_mask",
+    "spatial_shapes",
+    "num_tiles",
+    "image_sizes",
+    "token_type_ids",
+    "mm_token_type_ids",
+    "image_position_ids",
+)
+
+
+def _fit_width(values: torch.Tensor, width: int) -> torch.Tensor:
+    """Cut or zero-pad per-step values ``(B, steps)`` to the padded completion width (padding is masked anyway)."""
+    if values.size(1) >= width:
+        return values[:, :width]
+    return torch.nn.functional.pad(values, (0, width - values.size(1)))
+
+
+def sequence_inputs(batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(input_ids, attention_mask, logits_to_keep) of prompt + completion, as TRL's forwards take them."""
+    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    return input_ids, attention_mask, batch["completion_ids"].size(1)
+
+
+def initialise_fsdp2_root(model: torch.nn.Module) -> None:
+    """Make FSDP2 take ``model`` as its root before any of its submodules runs a forward of its own.
+
+    FSDP2 picks its root lazily: the first FSDP module to run a forward. The ghost-norm pass calls the input embeddings
+    (and, tied, the group of the final norm, embeddings and LM head that accelerate shards as one unit) directly; under
+    TRL's default `num_iterations=1` nothing has run the whole model before the first weights are measured, so that
+    group would claim the root and fail ("FSDP requires a single root module"). Initialising the root state first is
+    what its first forward would do, without the all-gather of a forward.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        model._get_fsdp_state()._lazy_init()  # idempotent: a no-op once the root is known
+
+
+class CompletionWeights:
+    """The weights w_i of a generation batch (`compute`) and per-sample gradient norms (`grad_sq_norms`).
+
+    Args:
+        trainer: the `OBLRPOTrainer` it measures for (its model, arguments, metrics and TRL's forward).
+    """
+
+    def __init__(self, trainer: OBLRPOTrainer):
+        self.trainer = trainer
+        self.args = trainer.args
+        self.policy = trainer._policy_module
+        self.log_sum_sq_forward = self._make_log_sum_sq_forward() if self.args.baseline_weights == "logit" else None
+        self.generation_logits: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.ghost_norms_unsupported: str | None = None  # why ghost norms cannot run on this model, once known
+        self._warned_no_reuse = False
+
+    # The fused LM head's log Σ_v p² ----------------------------------------------------------------------------------
+
+    def _make_log_sum_sq_forward(self):
+        """A second fused-LM-head forward of the policy that also returns log Σ_v p_v², without changing TRL's.
+
+        `add_fused_lm_head` replaces `forward` on the instance; patch once more with the extra output, keep that
+        bound method, and put TRL's forward back.
+        """
+        module, trl_forward = self.policy, self.policy.forward
+        add_fused_lm_head(
+            module,
+            temperature=self.trainer.temperature,
+            cast_lm_head_to_fp32=self.args.cast_lm_head_to_fp32,
+            outputs=("log_probs", "log_sum_sq_probs"),
+        )
+        log_sum_sq_forward = module.forward
+        module.forward = trl_forward
+        return log_sum_sq_forward
+
+    @contextlib.contextmanager
+    def recording_log_sum_sq(self):
+        """While active, fused forwards of the policy also compute log Σ p², recorded as (log_probs, log_sum_sq)."""
+        module, trl_forward, record = self.policy, self.policy.forward, []
+
+        def recording_forward(*args, **kwargs):
+            outputs = self.log_sum_sq_forward(*args, **kwargs)
+            if kwargs.get("fused_lm_head"):
+                record.append((outputs.log_probs, outputs.log_sum_sq_probs))
+            return outputs
+
+        module.forward = recording_forward
+        try:
+            yield record
+        finally:
+            module.forward = trl_forward
+
+    def captures_generation_logits(self) -> bool:
+        # transformers' generate computes every step's logits; vLLM, continuous batching and tool loops do not hand
+        # them over (or interleave tool tokens), so those paths use a forward pass instead.
+        trainer = self.trainer
+        return (
+            self.log_sum_sq_forward is not None
+            and not trainer.use_vllm
+            and not self.args.use_transformers_continuous_batching
+            and not trainer.tools
+        )
+
+    def generate_capturing_logits(self, generate: Callable[[], tuple[list, Any]]) -> tuple[list, Any]:
+        """Run one generation call (``generate()`` → completion ids, log-probs) and collect the logit-proxy inputs
+        from the logits it computes, where it can."""
+        stats = GenerationLogitStats(self.policy, self.trainer.temperature) if self.captures_generation_logits() else None
+        completion_ids = None
+        try:
+            completion_ids, logprobs = generate()
+        finally:
+            if stats is not None:
+                self.generation_logits = stats.finish(completion_ids or [])
+        return completion_ids, logprobs
+
+    def reuses_trl_forward(self) -> bool:
+        """Whether the logit weights are read off TRL's own no-grad forward of this generation batch."""
+        if self.log_sum_sq_forward is None or self.captures_generation_logits():
+            return False
+        # the condition under which GRPOTrainer runs that forward (old_per_token_logps)
+        args, trainer = self.args, self.trainer
+        generate_every = args.steps_per_generation * trainer.num_iterations
+        return args.gradient_accumulation_steps % generate_every != 0 or (
+            trainer.use_vllm and trainer.vllm_importance_sampling_correction
+        )
+
+    # The weights -----------------------------------------------------------------------------------------------------
+
+    def compute(self, output: dict[str, Any], record: list | None, mode: str) -> torch.Tensor:
+        """Local weights w_i, one per completion of this process (DESIGN §2 table).
+
+        Each token's gradient enters the loss times a gain: the IS ratio ρ_t (vLLM correction) and the loss type's
+        per-completion factor (1/L_i for a per-completion token mean); squared norms take the gains squared.
+        """
+        mask = loss_mask(output)
+        estimator = self.args.baseline_weights
+        if estimator == "uniform":
+            return uniform_weights(mask)
+        gains = loss_token_gains(mask, self.trainer.loss_type)
+        if self.args.importance_weighted_baseline and "importance_sampling_ratio" in output:
+            gains = gains * output["importance_sampling_ratio"].float()
+        if estimator == "length":
+            return length_weights(mask, gains.square())
+        if estimator == "logit":
+            log_probs, log_sum_sq = self.logit_inputs(output, record, mode)
+            return logit_proxy_weights(log_probs, log_sum_sq, mask, gains.square())
+        return self.grad_sq_norms(output, mask.float() * gains)
+
+    def logit_inputs(self, output: dict[str, Any], record: list | None, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """log p_t(y_t) and log Σ_v p_t(v)² of the completion tokens, ``(B, T)`` like ``completion_ids``.
+
+        From the logits generation already computed if they were captured, else from TRL's own no-grad forward if it
+        ran one, else from one chunked no-grad forward of our own (logged as `oblr/weights/extra_forward`).
+        """
+        trainer, metrics = self.trainer, self.trainer._metrics[mode]
+        completion_ids = output["completion_ids"]
+        captured, self.generation_logits = self.generation_logits, None
+        if captured is not None and captured[0].size(0) == completion_ids.size(0):
+            metrics["oblr/weights/extra_forward"].append(0.0)
+            return tuple(_fit_width(t, completion_ids.size(1)) for t in captured)
+        logits_to_keep = completion_ids.size(1)
+        if record is not None and "old_per_token_logps" in output:
+            chunks = record[: math.ceil(completion_ids.size(0) / self._forward_batch_size(mode))]
+            if chunks:
+                log_probs = torch.cat([lp for lp, _ in chunks])[:, -logits_to_keep:]
+                if log_probs.shape == output["old_per_token_logps"].shape and torch.equal(
+                    log_probs, output["old_per_token_logps"]
+                ):
+                    metrics["oblr/weights/extra_forward"].append(0.0)
+                    return log_probs, torch.cat([lss for _, lss in chunks])[:, -logits_to_keep:]
+            if not self._warned_no_reuse:
+                warnings.warn("Could not reuse TRL's no-grad forward for the logit weights; running a separate one.")
+                self._warned_no_reuse = True
+        metrics["oblr/weights/extra_forward"].append(1.0)
+        input_ids, attention_mask, _ = sequence_inputs(output)
+        multimodal = {key: output[key] for key in _MULTIMODAL_KEYS if key in output}
+        with torch.no_grad(), self.recording_log_sum_sq() as record:
+            log_probs, _, _ = trainer._get_per_token_logps_and_entropies(
+                trainer.model, input_ids, attention_mask, logits_to_keep,
+                batch_size=self._forward_batch_size(mode), **multimodal,
+            )
+        return log_probs, torch.cat([lss for _, lss in record])[:, -logits_to_keep:]
+
+    def _forward_batch_size(self, mode: str) -> int:
+        return self.args.per_device_train_batch_size if mode == "train" else self.args.per_device_eval_batch_size
+
+    # Per-sample gradient norms ---------------------------------------------------------------------------------------
+
+    def grad_sq_norms(self, batch: dict[str, Any], token_scale: torch.Tensor) -> torch.Tensor:
+        """‖∇_θ Σ_t s_t log p_t(y_t)‖² per completion (`oblr_trl.ghost_norms`), in chunks of `per_sample_batch_size`.
+
+        A model with a layer the ghost norms do not know is measured by one backward per completion instead
+        (`looped_grad_sq_norms`), after one warning naming the layer: slower, never wrong, never an error.
+        """
+        input_ids, attention_mask, logits_to_keep = sequence_inputs(batch)
+        size = self.args.per_sample_batch_size or self._forward_batch_size(
+            "train" if self.trainer.model.training else "eval"
+        )
+        if self.ghost_norms_unsupported is None:
+            initialise_fsdp2_root(self.trainer.model)
+            try:
+                with disable_gradient_checkpointing(self.policy, self.args.gradient_checkpointing_kwargs):
+                    return torch.cat(
+                        [
+                            log_likelihood_grad_sq_norms(
+                                self.policy,
+                                input_ids[start : start + size],
+                                attention_mask[start : start + size],
+                                logits_to_keep,
+                                token_scale[start : start + size],
+                                self.trainer.temperature,
+                            )
+                            for start in range(0, input_ids.size(0), size)
+                        ]
+                    )
+            except NotImplementedError as error:
+                self.ghost_norms_unsupported = str(error)
+                self.refuse_parameter_gradients_under_fsdp2(str(error))
+                warnings.warn(
+                    f"{error} Per-sample gradient norms fall back to one backward per completion for this model "
+                    "(correct, slower)."
+                )
+        return self.looped_grad_sq_norms(batch, token_scale, size)
+
+    def refuse_parameter_gradients_under_fsdp2(self, reason: str) -> None:
+        """The per-row fallback differentiates with respect to the parameters, which FSDP2 holds as shards outside
+        the autograd graph: under FSDP2 it would measure nothing, so it is refused instead."""
+        if self.trainer._is_fsdp2:
+            raise NotImplementedError(
+                f"{reason} Under FSDP2 per-sample gradient norms come only from the ghost norms (the per-row fallback "
+                "needs unsharded parameters). Use baseline_weights='logit' and snr_estimator='cross_step' (the "
+                "defaults) for this model under FSDP2."
+            )
+
+    def looped_grad_sq_norms(self, batch: dict[str, Any], token_scale: torch.Tensor, size: int) -> torch.Tensor:
+        """The same norms through the model's own forward (TRL's), one backward per completion: any architecture."""
+        trainer = self.trainer
+        input_ids, attention_mask, logits_to_keep = sequence_inputs(batch)
+        multimodal = {key: batch[key] for key in _MULTIMODAL_KEYS if key in batch}
+        params = [p for p in trainer.model.parameters() if p.requires_grad]
+        norms = []
+        with torch.enable_grad(), disable_gradient_checkpointing(self.policy, self.args.gradient_checkpointing_kwargs):
+            for start in range(0, input_ids.size(0), size):
+                rows = slice(start, start + size)
+                log_probs, _, _ = trainer._get_per_token_logps_and_entropies(
+                    trainer.model, input_ids[rows], attention_mask[rows], logits_to_keep, batch_size=size,
+                    **{key: value[rows] if torch.is_tensor(value) else value for key, value in multimodal.items()},
+                )
+                objectives = (log_probs * token_scale[rows].to(log_probs.dtype)).sum(-1)
+                norms.append(
+                    per_sample_grad_sq_norms(
+                        lambda i, objectives=objectives: objectives[i], objectives.size(0), params, retain_graph=True,
+                    )
+                )
+        return torch.cat(norms).detach()
+
+    def loss_rows_grad_sq(
+        self, loss: torch.Tensor, inputs: dict[str, Any], log_probs: torch.Tensor, entropies: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Σ_i ‖∂loss_i/∂θ‖² over the rows of a training micro-batch (the `per_sample` SNR estimator).
+
+        With v = ∂loss/∂(per-token log-probs), row i's gradient is ∇_θ Σ_t v_it log p_t: one batched ghost-norm pass.
+        If the loss also depends on the entropies (an entropy bonus), one backward per row instead (`row_objective`).
+        """
+        outputs = [t for t in (log_probs, entropies) if t is not None and t.requires_grad]
+        grads = dict(zip(map(id, outputs), torch.autograd.grad(loss, outputs, retain_graph=True, allow_unused=True)))
+        if entropies is None or grads.get(id(entropies)) is None:
+            return self.grad_sq_norms(inputs, grads[id(log_probs)].detach()).sum()
+        self.refuse_parameter_gradients_under_fsdp2("The loss depends on the entropies (an entropy term).")
+        pairs = [(o, grads[id(o)]) for o in outputs if grads[id(o)] is not None]
+        objective = row_objective([o for o, _ in pairs], [g for _, g in pairs])
+        params = [p for p in self.trainer.model.parameters() if p.requires_grad]
+        return per_sample_grad_sq_norms(objective, log_probs.size(0), params, retain_graph=True).sum()
+
+
+def loss_mask(output: dict[str, Any]) -> torch.Tensor:
+    """The completion tokens the loss trains on (tool-call results masked out)."""
+    mask = output["completion_mask"]
+    return mask if "tool_mask" not in output else mask * output["tool_mask"]

@@ -1,0 +1,113 @@
+"""Each optimizer step's learning-rate factor, and whether the step runs at all.
+
+[`OptimizerStepControl`] is the trainer's collaborator for the optimizer step, as `StepNoiseRecorder` is for the
+SNR: it puts the two hooks of `oblr_trl.optim_hooks` on the innermost torch optimizer (once per optimizer object;
+DeepSpeed builds its own in `prepare`), fixes the step's factor before its first micro-batch (DeepSpeed steps inside
+the last `backward`, before the step's own statistics exist), refuses a step whose loss, gradient norm or factor is
+not finite on any process, and logs the factor of an applied step or the skip of a refused one, once per step
+(DeepSpeed's ZeRO optimizers call the torch optimizer's `step` once per param group).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable, MutableMapping
+
+import torch
+
+from .optim_hooks import OptimizerStepGate, StepLearningRateScale, innermost_optimizer
+
+__all__ = ["OptimizerStepControl"]
+
+
+class OptimizerStepControl:
+    """The gate and the learning-rate factor of every optimizer step.
+
+    Args:
+        accelerator: the Trainer's accelerator (device, processes, gather).
+        metrics: where the step's factor and skips are logged (the trainer's train metrics).
+        next_factor: the factor of the next step, read when it begins; None: no factor (the scheduled rate).
+        gate: refuse non-finite steps (`skip_nonfinite_steps`).
+        current_step: the optimizer steps done so far, for the warning of a skipped step.
+    """
+
+    def __init__(
+        self,
+        accelerator,
+        metrics: MutableMapping[str, list],
+        next_factor: Callable[[], float] | None,
+        gate: bool,
+        current_step: Callable[[], int],
+    ):
+        self.accelerator = accelerator
+        self.metrics = metrics
+        self.next_factor = next_factor
+        self.gate = gate
+        self.current_step = current_step
+        self.skipped = 0
+        self.lr_scale: StepLearningRateScale | None = None
+        self.step_gate: OptimizerStepGate | None = None
+        self.begin_step()
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        """Hook the optimizer that updates the parameters (once per optimizer object). The gate goes on first: a refused
+        step does not reach the learning-rate hooks."""
+        optimizer = innermost_optimizer(optimizer)
+        hooked = self.step_gate or self.lr_scale
+        if hooked is not None and hooked.optimizer is optimizer:
+            return
+        for hooks in (self.step_gate, self.lr_scale):
+            if hooks is not None:
+                hooks.remove()
+        if self.gate:
+            self.step_gate = OptimizerStepGate(optimizer, self._allowed, self._log_skipped)
+        if self.next_factor is not None:
+            self.lr_scale = StepLearningRateScale(optimizer, lambda: self.factor, self._log_factor)
+
+    def begin_step(self) -> None:
+        """Before the step's first micro-batch: its factor, from the estimates of the steps before it."""
+        self.factor = self.next_factor() if self.next_factor is not None else 1.0
+        self.loss_finite = torch.ones((), dtype=torch.bool)
+        self.grad_norm_finite = True
+        self._allowed_now: bool | None = None
+        self._logged = False  # the factor of an applied step, or the skip of a refused one
+
+    def note_loss(self, loss: torch.Tensor) -> None:
+        """A training micro-batch's loss (kept on its device: no sync per micro-batch)."""
+        self.loss_finite = self.loss_finite.to(loss.device) & torch.isfinite(loss.detach()).all()
+
+    def note_grad_norm(self, grad_norm) -> None:
+        """The step's pre-clip gradient norm, where it is known before the step (DeepSpeed computes it inside)."""
+        self.grad_norm_finite = grad_norm is None or math.isfinite(float(grad_norm))
+
+    def _allowed(self) -> bool:
+        """Every process agrees: the step's losses, gradient norm and factor are all finite."""
+        if self._allowed_now is not None:
+            return self._allowed_now
+        device = self.accelerator.device
+        finite = self.loss_finite.to(device) & torch.tensor(
+            self.grad_norm_finite and math.isfinite(self.factor), device=device
+        )
+        if self.accelerator.num_processes > 1:
+            finite = self.accelerator.gather(finite.reshape(1)).all()
+        self._allowed_now = bool(finite)
+        return self._allowed_now
+
+    def _log_skipped(self) -> None:
+        if self._logged:
+            return
+        self._logged = True
+        self.skipped += 1
+        self.metrics["oblr/skipped_nonfinite_steps"].append(float(self.skipped))
+        warnings.warn(
+            f"Optimizer step {self.current_step() + 1} skipped: non-finite loss, gradient norm or learning-rate "
+            f"factor ({self.skipped} skipped so far). The parameters and optimizer state are unchanged."
+        )
+
+    def _log_factor(self, scheduled_lr: float, factor: float) -> None:
+        if self._logged:
+            return
+        self._logged = True
+        self.metrics["snr/lr_factor"].append(factor)
+        self.metrics["snr/effective_lr"].append(scheduled_lr * factor)
