@@ -70,7 +70,8 @@ CONTROL = "oblrpo-constant"
 REFERENCE = "grpo"
 # the curves logged per step, besides the reward
 TRACES = ("learning_rate", "grad_norm", "snr/lr_factor", "snr/effective_lr", "snr/bound_factor", "snr/grad_sq_norm_ema",
-          "snr/trace_cov_ema", "snr/resolved", "snr/calibration_t", "snr/reference_factor")
+          "snr/trace_cov_ema", "snr/resolved", "snr/calibration_t", "snr/reference_factor", "oblr/step_kl",
+          "oblr/trust_region_factor", "frac_reward_zero_std")
 PRESETS = {
     "cpu": {
         "model": "builtin:smollm2-135m-instruct",

@@ -51,6 +51,8 @@ VARIANTS = {
     "uniform-no-snr": {"baseline_weights": "uniform", "use_snr_lr": False},
     "exact": {"baseline_weights": "exact"},
     "exact-naive": {"baseline_weights": "exact"},  # the same weights by one backward per completion (NaiveExact)
+    "oblrpo-step-kl": {"log_step_kl": True},  # the defaults, measuring each step's KL (one no-grad forward a step)
+    "oblrpo-trust-region": {"lr_trust_region_kl": 1e-3},
 }
 PRESETS = {
     "cpu": {

@@ -72,7 +72,23 @@ SMOLLM2_METHODS = {  # name -> (OBLRPOConfig overrides, None for TRL's GRPOTrain
     "oblrpo-unscaled": ({"scale_rewards": "none"}, TRL_SCHEDULE),  # the defaults before 2026-11-23
     "oblrpo-two-sided": ({"snr_lr_min_ratio": 0.5}, TRL_SCHEDULE),
     "grpo-constant": (None, {"lr_scheduler_type": "constant", "warmup_steps": 0}),
+    # the paper-literal factor reacting from the first steps (the issue-26 probe that saved seed 1 at 3e-4)
+    "oblrpo-paper": ({"snr_lr_reference": "absolute", "snr_estimator": "per_sample", "snr_warmup_steps": 0},
+                     TRL_SCHEDULE),
+    "oblrpo-kl": ({"log_step_kl": True}, TRL_SCHEDULE),  # the defaults, measuring each step's KL (choosing δ)
 }
+# δ of the trust region, chosen on validation seeds only (--part delta: the median per-step KL of the defaults at the
+# best rate, 1e-4, on seeds 10 and 11 and the validation split): the step size the best rate takes, as a ceiling
+TRUST_REGION_KL = 1e-3
+DELTA = {"method": "oblrpo-kl", "rate": 1e-4, "seeds": [10, 11], "steps": 40}
+# GRPO's advantage from OBLR-PO's pieces: the whole-group mean with std scaling, no SNR factor
+GRPO_AS_OBLRPO = {"baseline_weights": "uniform", "baseline_estimator": "weighted", "leave_one_out": False,
+                  "use_snr_lr": False}
+for _form in ("cap", "target"):
+    SMOLLM2_METHODS[f"oblrpo-trust-{_form}"] = (
+        {"lr_trust_region_kl": TRUST_REGION_KL, "lr_trust_region_mode": _form}, TRL_SCHEDULE)
+    SMOLLM2_METHODS[f"grpo-trust-{_form}"] = (
+        {**GRPO_AS_OBLRPO, "lr_trust_region_kl": TRUST_REGION_KL, "lr_trust_region_mode": _form}, TRL_SCHEDULE)
 SMOLLM2 = {"methods": [REFERENCE, "oblrpo", "oblrpo-unscaled"], "rates": [1e-4, 3e-4, 1e-3], "seeds": [0, 1, 2, 3, 4],
            "steps": 40, "jobs": 2}
 # more prompts a step and a longer run, so that the calibration window resolves
@@ -83,7 +99,7 @@ RESOLVE = {"rate": 3e-5, "seed": 0, "steps": 60, "config": {"per_device_train_ba
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", choices=["synthetic", "smollm2", "resolve", "summary"], default="summary")
+    parser.add_argument("--part", choices=["synthetic", "smollm2", "resolve", "delta", "summary"], default="summary")
     parser.add_argument("--methods", nargs="+", default=None,
                         help="methods of the part (default: all of the synthetic ones; grpo, oblrpo and "
                         "oblrpo-unscaled on SmolLM2)")
@@ -183,13 +199,13 @@ def run_synthetic(args) -> dict:
 
 
 # --- SmolLM2 parts ---------------------------------------------------------------------------------------------------
-def smollm2_specs(args, methods, rates, seeds, steps, extra_config=None, tag=""):
+def smollm2_specs(args, methods, rates, seeds, steps, extra_config=None, tag="", split="test"):
     paths = learning.write_splits(learning.problem_splits(learning.PRESETS["cpu"]["max_operand"], args.eval_problems),
                                   Path(args.output_dir) / "data")
     base = {"model": args.model, "steps": steps, "train": paths["train"],
             "threads": max(1, (os.cpu_count() or 1) // args.jobs),
-            "eval_max_new_tokens": learning.PRESETS["cpu"]["eval_max_new_tokens"], "split": "test",
-            "held_out": paths["test"], "scratch": str(Path(tempfile.gettempdir()) / "oblr-trl-stability")}
+            "eval_max_new_tokens": learning.PRESETS["cpu"]["eval_max_new_tokens"], "split": split,
+            "held_out": paths[split], "scratch": str(Path(tempfile.gettempdir()) / "oblr-trl-stability")}
     specs = []
     for seed in seeds:  # seed-major, so that an interrupted grid has whole seeds for every cell
         for rate in rates:
@@ -198,7 +214,7 @@ def smollm2_specs(args, methods, rates, seeds, steps, extra_config=None, tag="")
                 config = {**learning.PRESETS["cpu"]["config"], **schedule, **(extra_config or {})}
                 specs.append({**base, "method": method + tag, "overrides": overrides, "config": config, "seed": seed,
                               "learning_rate": rate})
-    initial = {**base, "method": "initial", "seed": 0, "learning_rate": 0.0}
+    initial = {**base, "method": "initial", "seed": 0, "learning_rate": 0.0, "split": "test", "held_out": paths["test"]}
     return specs, initial
 
 
@@ -369,10 +385,13 @@ def main(argv=None) -> int:
                     data[key] = {**earlier[key], **data[key]}
         output_dir.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(data))
-    elif args.part in ("smollm2", "resolve"):
+    elif args.part in ("smollm2", "resolve", "delta"):
         if args.part == "smollm2":
             specs, initial = smollm2_specs(args, args.methods or SMOLLM2["methods"], args.rates or SMOLLM2["rates"],
                                            args.seeds or SMOLLM2["seeds"], args.steps or SMOLLM2["steps"])
+        elif args.part == "delta":
+            specs, initial = smollm2_specs(args, [DELTA["method"]], [DELTA["rate"]], DELTA["seeds"], DELTA["steps"],
+                                           split="validation")
         else:
             specs, initial = smollm2_specs(args, args.methods or RESOLVE["methods"], args.rates or [RESOLVE["rate"]],
                                            args.seeds or [RESOLVE["seed"]], args.steps or RESOLVE["steps"],

@@ -31,7 +31,7 @@ from .weights import length_weights, logit_proxy_weights, loss_token_gains, unif
 if TYPE_CHECKING:
     from .trainer import OBLRPOTrainer
 
-__all__ = ["CompletionWeights", "initialise_fsdp2_root"]
+__all__ = ["CompletionWeights", "initialise_fsdp2_root", "reshard_fsdp2"]
 
 # Keys of TRL's generation output that `_get_per_token_logps_and_entropies` takes as keyword arguments.
 _MULTIMODAL_KEYS = (
@@ -75,6 +75,17 @@ def initialise_fsdp2_root(model: torch.nn.Module) -> None:
 
     if isinstance(model, FSDPModule):
         model._get_fsdp_state()._lazy_init()  # idempotent: a no-op once the root is known
+
+
+def reshard_fsdp2(model: torch.nn.Module) -> None:
+    """Free the parameters a forward outside the training step left gathered under FSDP2 (the root and the final
+    norm/LM-head group do not reshard after their forward), so that the next training step starts from shards as it
+    would have without that forward."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 class CompletionWeights:
@@ -211,14 +222,21 @@ class CompletionWeights:
                 warnings.warn("Could not reuse TRL's no-grad forward for the logit weights; running a separate one.")
                 self._warned_no_reuse = True
         metrics["oblr/weights/extra_forward"].append(1.0)
-        input_ids, attention_mask, _ = sequence_inputs(output)
-        multimodal = {key: output[key] for key in _MULTIMODAL_KEYS if key in output}
-        with torch.no_grad(), self.recording_log_sum_sq() as record:
+        with self.recording_log_sum_sq() as record:
+            log_probs = self.token_log_probs(output, mode)
+        return log_probs, torch.cat([lss for _, lss in record])[:, -logits_to_keep:]
+
+    def token_log_probs(self, batch: dict[str, Any], mode: str = "train") -> torch.Tensor:
+        """log p_t(y_t) of the batch's completion tokens under the current policy: TRL's chunked forward, no grad."""
+        trainer = self.trainer
+        input_ids, attention_mask, logits_to_keep = sequence_inputs(batch)
+        multimodal = {key: batch[key] for key in _MULTIMODAL_KEYS if key in batch}
+        with torch.no_grad():
             log_probs, _, _ = trainer._get_per_token_logps_and_entropies(
                 trainer.model, input_ids, attention_mask, logits_to_keep,
                 batch_size=self._forward_batch_size(mode), **multimodal,
             )
-        return log_probs, torch.cat([lss for _, lss in record])[:, -logits_to_keep:]
+        return log_probs
 
     def _forward_batch_size(self, mode: str) -> int:
         return self.args.per_device_train_batch_size if mode == "train" else self.args.per_device_eval_batch_size

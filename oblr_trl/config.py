@@ -163,6 +163,32 @@ class OBLRPOConfig(OBLRPOOptions, GRPOConfig):  # this base order keeps GRPOConf
         snr_lr_floor (`float`, *optional*, defaults to `0.1`):
             Smallest factor of `"absolute"`, in (0, 1]: a flat reward landscape (no signal) cannot stall training.
 
+        > Parameters that control the trust region of the step (DESIGN §2, "Measured stability")
+
+        lr_trust_region_kl (`float` or `None`, *optional*, defaults to `None`):
+            Target δ of the mean per-token KL(π_t ‖ π_{t+1}) one optimizer step may move the policy by. After each
+            step the KL is measured on its last micro-batch (one no-grad forward, k3 estimator on the sampled tokens)
+            and the curvature c = KL/lr² smoothed; the next step's rate is the one that moves the policy by δ,
+            sqrt(δ/ĉ), used as `lr_trust_region_mode` says. It composes with the rest as
+            lr = scheduled · f_SNR · g_TR: the schedule (warm-up included) and the SNR factor set the base rate, the
+            trust-region factor g_TR is computed on it; gradient clipping acts on the gradient before (the KL measures
+            the clipped step); the curvature is saved in checkpoints and restored on resume; the KL is summed over
+            every process's tokens; under FSDP2 and DeepSpeed the measuring forward runs on every process like a
+            training forward. `None`: no trust region.
+        lr_trust_region_mode (`str`, *optional*, defaults to `"cap"`):
+            `"cap"`: lr = min(scheduled · f_SNR, trust-region rate) — the configured rate becomes a ceiling.
+            `"target"`: the rate follows δ both ways within [`lr_trust_region_min_ratio`,
+            `lr_trust_region_max_ratio`] × scheduled · f_SNR — a too-low configured rate is raised too.
+        lr_trust_region_min_ratio (`float`, *optional*, defaults to `0.01`):
+            Smallest trust-region factor, in (0, 1]: a spike of curvature cannot stall training.
+        lr_trust_region_max_ratio (`float`, *optional*, defaults to `10.0`):
+            Largest trust-region factor of `"target"`, ≥ 1 (`"cap"` never exceeds 1).
+        lr_trust_region_ema_decay (`float`, *optional*, defaults to `0.5`):
+            Decay of the bias-corrected moving average of the curvature KL/lr², in [0, 1).
+        log_step_kl (`bool`, *optional*, defaults to `False`):
+            Measure and log each step's KL (`oblr/step_kl`) without a trust region (one no-grad forward of a
+            micro-batch per step). Always on with `lr_trust_region_kl`.
+
         > Parameters that control robustness
 
         skip_nonfinite_steps (`bool`, *optional*, defaults to `True`):

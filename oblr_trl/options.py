@@ -12,12 +12,14 @@ from dataclasses import dataclass, field
 
 __all__ = [
     "BASELINE_ESTIMATORS", "BASELINE_WEIGHTS", "OBLRPOOptions", "SNR_ESTIMATORS", "SNR_LR_REFERENCES", "TRAINER_VALUE_RULES",
+    "TRUST_REGION_MODES",
 ]
 
 BASELINE_WEIGHTS = ("logit", "length", "exact", "uniform")
 BASELINE_ESTIMATORS = ("weighted", "shrunk", "pooled_slope")
 SNR_ESTIMATORS = ("cross_step", "two_batch", "per_sample")
 SNR_LR_REFERENCES = ("calibrated", "absolute")
+TRUST_REGION_MODES = ("cap", "target")  # the forms of oblr_trl.trust_region.TrustRegionRate
 
 
 def invalid_value(name: str, value, allowed: str) -> ValueError:
@@ -165,6 +167,44 @@ class OBLRPOOptions:
         metadata={"help": "Smallest factor of snr_lr_reference='absolute', in (0, 1]: no signal cannot stall training."},
     )
 
+    # Parameters that control the trust region of the step
+    lr_trust_region_kl: float | None = field(
+        default=None,
+        metadata={
+            "help": "Target δ of the mean per-token KL(π_t ‖ π_{t+1}) one optimizer step may move the policy by, "
+            "measured after each step on its last micro-batch; the next step's rate is the one the smoothed "
+            "curvature KL/lr² says gives δ (see lr_trust_region_mode). None: no trust region."
+        },
+    )
+    lr_trust_region_mode: str = field(
+        default="cap",
+        metadata={
+            "help": "'cap': lr = min(scheduled × SNR factor, trust-region rate), the configured rate a ceiling; "
+            "'target': the rate follows δ both ways within [lr_trust_region_min_ratio, lr_trust_region_max_ratio] × "
+            "scheduled × SNR factor, so a too-low configured rate is raised too.",
+            "choices": list(TRUST_REGION_MODES),
+        },
+    )
+    lr_trust_region_min_ratio: float = field(
+        default=0.01,
+        metadata={"help": "Smallest trust-region factor, in (0, 1]: a spike of curvature cannot stall training."},
+    )
+    lr_trust_region_max_ratio: float = field(
+        default=10.0,
+        metadata={"help": "Largest trust-region factor of 'target', >= 1 ('cap' never exceeds 1)."},
+    )
+    lr_trust_region_ema_decay: float = field(
+        default=0.5,
+        metadata={"help": "Decay of the bias-corrected moving average of the measured curvature KL/lr², in [0, 1)."},
+    )
+    log_step_kl: bool = field(
+        default=False,
+        metadata={
+            "help": "Measure and log each step's KL(π_t ‖ π_{t+1}) (`oblr/step_kl`; one no-grad forward of a "
+            "micro-batch per step) without a trust region. Always on with lr_trust_region_kl."
+        },
+    )
+
     # Parameters that control robustness
     skip_nonfinite_steps: bool = field(
         default=True,
@@ -211,6 +251,23 @@ class OBLRPOOptions:
             raise invalid_value("snr_lr_min_ratio", self.snr_lr_min_ratio, "a float in (0, 1]")
         if not self.snr_lr_max_ratio >= 1.0 or not math.isfinite(self.snr_lr_max_ratio):
             raise invalid_value("snr_lr_max_ratio", self.snr_lr_max_ratio, "a finite float >= 1")
+        if self.lr_trust_region_kl is not None and (
+            isinstance(self.lr_trust_region_kl, bool) or not _number(self.lr_trust_region_kl)
+            or self.lr_trust_region_kl <= 0
+        ):
+            raise invalid_value("lr_trust_region_kl", self.lr_trust_region_kl, "None or a finite float > 0")
+        check_one_of("lr_trust_region_mode", self.lr_trust_region_mode, TRUST_REGION_MODES)
+        if not 0.0 < self.lr_trust_region_min_ratio <= 1.0:
+            raise invalid_value("lr_trust_region_min_ratio", self.lr_trust_region_min_ratio, "a float in (0, 1]")
+        if not self.lr_trust_region_max_ratio >= 1.0 or not math.isfinite(self.lr_trust_region_max_ratio):
+            raise invalid_value("lr_trust_region_max_ratio", self.lr_trust_region_max_ratio, "a finite float >= 1")
+        if not 0.0 <= self.lr_trust_region_ema_decay < 1.0:
+            raise invalid_value("lr_trust_region_ema_decay", self.lr_trust_region_ema_decay, "a float in [0, 1)")
+
+    @property
+    def measures_step_kl(self) -> bool:
+        """Whether each step's KL is measured (`log_step_kl`, or a trust region that needs it)."""
+        return self.log_step_kl or self.lr_trust_region_kl is not None
 
     @property
     def resolved_snr_calibration_steps(self) -> int:

@@ -13,7 +13,9 @@ PANELS = (
     ("completions/mean_length", "completion length (tokens)"),
     ("snr/snr", "gradient SNR (smoothed)"),
     ("snr/lr_factor", "SNR learning-rate factor f_t"),
-    ("snr/effective_lr", "learning rate used (scheduled × f_t)"),
+    ("snr/effective_lr", "learning rate used"),
+    ("oblr/step_kl", "policy KL of each step (π_t ‖ π_t+1)"),
+    ("oblr/trust_region_factor", "trust-region factor"),
 )
 
 
@@ -52,7 +54,7 @@ def plot_run(run_dir: str | Path, output: str | Path | None = None) -> Path:
     from matplotlib.ticker import MaxNLocator
 
     history = load_log_history(run_dir)
-    figure, axes = plt.subplots(2, 3, figsize=(15, 8), constrained_layout=True)
+    figure, axes = plt.subplots(2, 4, figsize=(19, 8), constrained_layout=True)
     for axis, (key, title) in zip(axes.flat, PANELS, strict=True):
         steps, values = _series(history, key)
         axis.set_title(title)
@@ -60,7 +62,7 @@ def plot_run(run_dir: str | Path, output: str | Path | None = None) -> Path:
         axis.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
         if values:
             axis.plot(steps, values, marker="." if len(values) < 50 else None)
-            if key in ("snr/snr",) and min(values) > 0:
+            if key in ("snr/snr", "oblr/step_kl") and min(values) > 0:
                 axis.set_yscale("log")
         else:
             axis.text(0.5, 0.5, "not logged", ha="center", va="center", transform=axis.transAxes)

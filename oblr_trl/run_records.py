@@ -129,6 +129,8 @@ class RunRecords:
             self._keep_one_preemption_checkpoint(folder)
         state: dict[str, Any] = {"pooled_slope": trainer.pooled_slope.state_dict(),
                                  "training_seconds": self.training_seconds()}
+        if trainer.kl_recorder is not None:
+            state["step_kl"] = trainer.kl_recorder.state_dict()
         if trainer.snr_recorder is not None:
             state |= trainer.snr_recorder.state_dict()
             previous_sketch = trainer.snr_recorder.previous_sketch_state()
@@ -151,6 +153,8 @@ class RunRecords:
         self.seconds_before = float(state.get("training_seconds", 0.0))
         if "pooled_slope" in state:
             trainer.pooled_slope.load_state_dict(state["pooled_slope"])
+        if trainer.kl_recorder is not None:
+            trainer.kl_recorder.load_state_dict(state.get("step_kl", {}))
         if trainer.snr_recorder is None or "snr_controller" not in state:
             return
         trainer.snr_recorder.load_state_dict(state)
@@ -207,6 +211,10 @@ def card_settings(trainer: OBLRPOTrainer) -> dict[str, str]:
         rate_rule = f"absolute SNR factor, floor {args.snr_lr_floor:g} (`{args.snr_estimator}` estimator)"
     else:
         rate_rule = "off (the scheduled rate)"
+    if args.lr_trust_region_kl is not None:
+        rate_rule += (f"; trust region δ = {args.lr_trust_region_kl:g} per token (`{args.lr_trust_region_mode}`, "
+                      f"factor in [{args.lr_trust_region_min_ratio:g}, "
+                      f"{1 if args.lr_trust_region_mode == 'cap' else args.lr_trust_region_max_ratio:g}])")
     prompts = per_step // trainer.num_generations
     return {
         "learning rate": f"{args.learning_rate:g}, `{_plain(args.lr_scheduler_type)}`, "

@@ -6,6 +6,9 @@ DeepSpeed builds its own in `prepare`), fixes the step's factor before its first
 the last `backward`, before the step's own statistics exist), refuses a step whose loss, gradient norm or factor is
 not finite on any process, and logs the factor of an applied step or the skip of a refused one, once per step
 (DeepSpeed's ZeRO optimizers call the torch optimizer's `step` once per param group).
+
+The factor is the SNR factor f times the trust-region factor g (`oblr_trl.trust_region`), which is computed on the rate
+the SNR rule alone would use, scheduled × f: lr = scheduled · f · g. The scheduler never sees either.
 """
 
 from __future__ import annotations
@@ -27,7 +30,9 @@ class OptimizerStepControl:
     Args:
         accelerator: the Trainer's accelerator (device, processes, gather).
         metrics: where the step's factor and skips are logged (the trainer's train metrics).
-        next_factor: the factor of the next step, read when it begins; None: no factor (the scheduled rate).
+        snr_factor: the SNR factor of the next step, read when it begins; None: no SNR factor.
+        trust_factor: ``base_lr -> `` the trust-region factor on the rate ``base_lr`` = scheduled × SNR factor; None:
+            no trust region.
         gate: refuse non-finite steps (`skip_nonfinite_steps`).
         current_step: the optimizer steps done so far, for the warning of a skipped step.
     """
@@ -36,13 +41,14 @@ class OptimizerStepControl:
         self,
         accelerator,
         metrics: MutableMapping[str, list],
-        next_factor: Callable[[], float] | None,
+        snr_factor: Callable[[], float] | None,
+        trust_factor: Callable[[float], float] | None,
         gate: bool,
         current_step: Callable[[], int],
     ):
         self.accelerator = accelerator
         self.metrics = metrics
-        self.next_factor = next_factor
+        self.snr_factor, self.trust_factor = snr_factor, trust_factor
         self.gate = gate
         self.current_step = current_step
         self.skipped = 0
@@ -62,12 +68,18 @@ class OptimizerStepControl:
                 hooks.remove()
         if self.gate:
             self.step_gate = OptimizerStepGate(optimizer, self._allowed, self._log_skipped)
-        if self.next_factor is not None:
+        if self.snr_factor is not None or self.trust_factor is not None:
             self.lr_scale = StepLearningRateScale(optimizer, lambda: self.factor, self._log_factor)
 
     def begin_step(self) -> None:
-        """Before the step's first micro-batch: its factor, from the estimates of the steps before it."""
-        self.factor = self.next_factor() if self.next_factor is not None else 1.0
+        """Before the step's first micro-batch: its factor, from the measurements of the steps before it."""
+        self.snr_part = self.snr_factor() if self.snr_factor is not None else 1.0
+        self.trust_part = 1.0
+        if self.trust_factor is not None and self.lr_scale is not None:
+            scheduled = float(self.lr_scale.optimizer.param_groups[0]["lr"])  # the scheduler has set this step's
+            self.trust_part = self.trust_factor(scheduled * self.snr_part)
+        self.factor = self.snr_part * self.trust_part
+        self.applied_lr: float | None = None  # the rate the step used, once it ran
         self.loss_finite = torch.ones((), dtype=torch.bool)
         self.grad_norm_finite = True
         self._allowed_now: bool | None = None
@@ -109,5 +121,9 @@ class OptimizerStepControl:
         if self._logged:
             return
         self._logged = True
-        self.metrics["snr/lr_factor"].append(factor)
-        self.metrics["snr/effective_lr"].append(scheduled_lr * factor)
+        self.applied_lr = scheduled_lr * factor
+        if self.snr_factor is not None:
+            self.metrics["snr/lr_factor"].append(self.snr_part)
+        if self.trust_factor is not None:
+            self.metrics["oblr/trust_region_factor"].append(self.trust_part)
+        self.metrics["snr/effective_lr"].append(self.applied_lr)

@@ -8,6 +8,8 @@ that keeps its own bookkeeping:
   every process, before the generation batch is split into micro-batches (a group can span ranks and micro-batches),
   with the pure functions of `advantages.py`;
 * `StepNoiseRecorder` (`step_noise.py`): each optimizer step's ‖μ‖² and tr Σ, and the SNR factor of the next step;
+* `StepKLRecorder` (`step_kl.py`): how far each optimizer step moved the policy, and the trust-region factor
+  (`trust_region.py`) of the next step;
 * `OptimizerStepControl` (`step_control.py`): the factor each optimizer step runs with, and the refusal of a
   non-finite step;
 * `RunRecords` (`run_records.py`): checkpoint state, preemption, the model card and the time of every segment.
@@ -30,13 +32,15 @@ from trl.trainer.utils import get_callable_name, get_config_model_id
 from . import models
 from .advantages import aggregate_rewards, gradient_weighted_advantages
 from .baselines import PooledSlope
-from .completion_weights import CompletionWeights
+from .completion_weights import CompletionWeights, loss_mask, reshard_fsdp2
 from .config import OBLRPOConfig, check_backend
 from .guards import name_reward_errors, validate_training_data
 from .run_records import RunRecords
 from .snr import SNRLearningRateController
 from .step_control import OptimizerStepControl
+from .step_kl import StepKLRecorder
 from .step_noise import StepNoiseRecorder
+from .trust_region import TrustRegionRate
 
 __all__ = ["OBLRPOTrainer"]
 
@@ -61,6 +65,13 @@ class _OBLRPOCallback(TrainerCallback):
 
     def on_step_begin(self, args, state, control, **kwargs):
         self.trainer.step_control.begin_step()
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        trainer = self.trainer
+        if trainer.kl_recorder is not None:  # the step's own KL, before the next step's factor is fixed
+            trainer.kl_recorder.after_step(trainer.step_control.applied_lr, trainer._metrics["train"])
+            if trainer._is_fsdp2:
+                reshard_fsdp2(trainer.model)
 
     def on_step_end(self, args, state, control, **kwargs):
         records = self.trainer.records
@@ -167,9 +178,19 @@ class OBLRPOTrainer(GRPOTrainer):
             )
         # f_t of step t comes from the estimates of steps < t: under DeepSpeed the optimizer steps inside the last
         # backward, before step t's gradient norm exists, and a batch's own noise should not size its own step.
+        # the step's KL, measured after it on its last micro-batch, and the trust region it drives
+        self.kl_recorder: StepKLRecorder | None = None
+        if args.measures_step_kl:
+            rule = None if args.lr_trust_region_kl is None else TrustRegionRate(
+                args.lr_trust_region_kl, args.lr_trust_region_mode, args.lr_trust_region_ema_decay,
+                args.lr_trust_region_min_ratio, args.lr_trust_region_max_ratio,
+            )
+            self.kl_recorder = StepKLRecorder(rule, self.completion_weights.token_log_probs,
+                                              lambda stats: self.accelerator.reduce(stats, reduction="sum"))
         self.step_control = OptimizerStepControl(
             self.accelerator, self._metrics["train"],
             (lambda: self.snr_recorder.next_factor) if self.snr_recorder is not None else None,
+            self.kl_recorder.factor if args.lr_trust_region_kl is not None else None,
             args.skip_nonfinite_steps, lambda: self.state.global_step,
         )
         self.records = RunRecords(self)
@@ -354,14 +375,18 @@ class OBLRPOTrainer(GRPOTrainer):
         return result
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        recorder = self.snr_recorder if self.model.training and torch.is_grad_enabled() else None
+        training = self.model.training and torch.is_grad_enabled()
+        recorder = self.snr_recorder if training else None
         per_sample = recorder is not None and self.args.snr_estimator == "per_sample"
-        if per_sample:
+        step_kl = training and self.kl_recorder is not None
+        if per_sample or step_kl:
             self._loss_outputs = ()
         try:
             loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
             if per_sample:
                 recorder.add_per_sample_sq(self.completion_weights.loss_rows_grad_sq(loss, inputs, *self._loss_outputs))
+            if step_kl:  # the policy before the step, as the loss saw it: no extra forward
+                self.kl_recorder.keep(inputs, self._loss_outputs[0], loss_mask(inputs))
         finally:
             self._loss_outputs = None
         if recorder is not None:

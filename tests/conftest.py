@@ -148,12 +148,19 @@ BACKEND_MATRIX = [
     for iterations in (1, 2)
     for tied in (False, True)
     for clip in (0.0, CLIP)
+] + [  # the trust region (its KL summed over every process's tokens), both forms
+    {"baseline_weights": "logit", "snr_estimator": "cross_step", "num_iterations": 1, "tie_word_embeddings": False,
+     "max_grad_norm": 0.0, "lr_trust_region_kl": 1e-4, "lr_trust_region_mode": "cap"},
+    {"baseline_weights": "exact", "snr_estimator": "per_sample", "num_iterations": 2, "tie_word_embeddings": True,
+     "max_grad_norm": CLIP, "lr_trust_region_kl": 1e-2, "lr_trust_region_mode": "target"},
 ]
 
 
 def backend_case_id(case: dict) -> str:
+    trust_region = [f"trust_region_{case['lr_trust_region_mode']}"] if case.get("lr_trust_region_kl") else []
     return "-".join([case["baseline_weights"], case["snr_estimator"], f"iterations{case['num_iterations']}",
-                     "tied" if case["tie_word_embeddings"] else "untied", "clipped" if case["max_grad_norm"] else "unclipped"])
+                     "tied" if case["tie_word_embeddings"] else "untied", "clipped" if case["max_grad_norm"] else "unclipped",
+                     *trust_region])
 
 
 @pytest.fixture(scope="session")

@@ -103,6 +103,8 @@ def run_case(case: dict, output_dir: str) -> dict:
         snr_lr_reference=case.get("snr_lr_reference", "absolute"),
         shuffle_dataset=False,
         max_grad_norm=case.get("max_grad_norm", 1.0),
+        lr_trust_region_kl=case.get("lr_trust_region_kl"),
+        lr_trust_region_mode=case.get("lr_trust_region_mode", "cap"),
         seed=0,
         **fsdp,
     )
@@ -116,7 +118,7 @@ def run_case(case: dict, output_dir: str) -> dict:
     trainer.train()
     parameters = parameter_summary(trainer.model_wrapped)
     keys = ("snr/grad_sq_norm", "snr/trace_cov", "snr/lr_factor", "snr/effective_lr", "grad_norm", "loss",
-            "snr/full_batch_grad_sq_norm", "snr/small_batch_grad_sq_norm")
+            "snr/full_batch_grad_sq_norm", "snr/small_batch_grad_sq_norm", "oblr/step_kl", "oblr/trust_region_factor")
     steps = [{k: h.get(k) for k in keys} for h in trainer.state.log_history if "loss" in h]
     return {"processes": trainer.accelerator.num_processes, "batches": trainer.gathered, "steps": steps,
             "distributed_type": str(trainer.accelerator.distributed_type), "parameters": parameters,

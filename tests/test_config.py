@@ -39,6 +39,12 @@ def make(tmp_path, **kwargs):
         ("snr_lr_floor", 1.5, "(0, 1]"),
         ("per_sample_batch_size", 0, "None or an integer >= 1"),
         ("per_sample_batch_size", 2.5, "None or an integer >= 1"),
+        ("lr_trust_region_kl", 0.0, "None or a finite float > 0"),
+        ("lr_trust_region_kl", float("inf"), "None or a finite float > 0"),
+        ("lr_trust_region_mode", "both", "'cap', 'target'"),
+        ("lr_trust_region_min_ratio", 0.0, "(0, 1]"),
+        ("lr_trust_region_max_ratio", 0.5, ">= 1"),
+        ("lr_trust_region_ema_decay", 1.0, "[0, 1)"),
     ],
 )
 def test_bad_values_name_field_and_allowed_values(tmp_path, field, value, allowed):
@@ -169,7 +175,8 @@ def test_every_new_field_is_documented():
         "baseline_weights", "leave_one_out", "importance_weighted_baseline", "use_snr_lr", "snr_estimator",
         "snr_ema_decay", "snr_warmup_steps", "snr_lr_floor", "skip_nonfinite_steps", "save_on_preemption",
         "per_sample_batch_size", "snr_lr_reference", "snr_calibration_steps", "snr_lr_min_ratio", "snr_lr_max_ratio",
-        "baseline_estimator", "baseline_shrinkage",
+        "baseline_estimator", "baseline_shrinkage", "lr_trust_region_kl", "lr_trust_region_mode",
+        "lr_trust_region_min_ratio", "lr_trust_region_max_ratio", "lr_trust_region_ema_decay", "log_step_kl",
     }
     for f in fields(OBLRPOConfig):
         if f.name in new or f.name == "scale_rewards":

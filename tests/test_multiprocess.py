@@ -59,6 +59,8 @@ def assert_runs_match(single: dict, other: dict, case: dict) -> None:
     # float32 sums in another order: ‖μ‖² and tr Σ agree to 1e-4 of the terms they are differences of
     assert_noise_estimates_match(single["steps"], other["steps"], samples=8, rel=1e-4)
     assert any(step["snr/lr_factor"] < 1.0 for step in single["steps"])  # the factor acted on the updates compared
+    if case.get("lr_trust_region_kl"):  # so did the trust region
+        assert any(step["oblr/trust_region_factor"] != 1.0 for step in single["steps"])
     if case.get("max_grad_norm"):  # clipping acted on the updates compared
         assert all(step["grad_norm"] > case["max_grad_norm"] for step in single["steps"])
     for one, two in zip(single["parameters"], other["parameters"], strict=True):

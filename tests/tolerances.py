@@ -44,4 +44,10 @@ def assert_noise_estimates_match(expected: list[dict], actual: list[dict], sampl
         scheduled = one["snr/effective_lr"] / one["snr/lr_factor"]
         assert two["snr/effective_lr"] == pytest.approx(one["snr/effective_lr"], abs=rel * scheduled), (one, two)
         assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=rel), (one, two)  # a norm: no cancellation
+        if one.get("oblr/step_kl") is not None:
+            # each token's k3 = e^Δ − 1 − Δ is formed from log-probability differences Δ of size ~sqrt(2·KL)
+            kl = one["oblr/step_kl"]
+            assert two["oblr/step_kl"] == pytest.approx(kl, abs=rel * (2 * kl) ** 0.5), (one, two)
+        if one.get("oblr/trust_region_factor") is not None:
+            assert two["oblr/trust_region_factor"] == pytest.approx(one["oblr/trust_region_factor"], rel=rel)
         previous = one

@@ -1,0 +1,112 @@
+"""A learning rate sized by the measured policy step: the trust region of DESIGN §2, "Measured stability".
+
+The paper's step η_t = η_max·f_t leaves η_max = 1/(BL + B²M) to be set by hand. It can be measured. A step of size η
+along the optimizer's direction u moves the policy by
+
+    KL(π_t ‖ π_{t+1}) ≈ ½ η² uᵀF u          (F the Fisher matrix of the policy on its own completions)
+
+and under Adam the update's size scales with η while its direction does not, so the realised per-token KL of a step
+divided by the square of the rate it used measures the curvature c = ½ uᵀF u along the update. The rate that moves the
+policy by a target δ per step is then η_δ = sqrt(δ / ĉ), with ĉ a smoothed curvature. Robotics PPO has adapted its rate
+to a desired KL this way for years (rsl_rl's `desired_kl`, by fixed multiplicative steps); here the step is read off
+the curvature directly.
+
+Two ways to use η_δ, with η_s = scheduled rate × SNR factor (the rate the SNR rule alone would use):
+
+* **cap**: η = min(η_s, η_δ) — the configured rate becomes a ceiling, never exceeded;
+* **target**: η = clip(η_δ, r_min·η_s, r_max·η_s) — the rate follows δ both ways, so a too-low configured rate is
+  raised as well as a too-high one lowered; the configured rate then only sets the start and the schedule's shape.
+
+Both are written as a factor on η_s, floored at r_min so that a spike of curvature cannot stall training. Before the
+first measurement the factor is 1. The KL itself is measured on tokens sampled from π_t with the k3 estimator
+E[(ρ − 1) − log ρ], ρ = π_{t+1}/π_t (non-negative, unbiased; TRL's estimator for its β-KL).
+
+Everything here is torch-only arithmetic: the trainer measures log-probabilities and hands them over.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from .options import TRUST_REGION_MODES
+from .snr import BiasCorrectedEMA
+
+__all__ = ["TrustRegionRate", "sampled_token_kl"]
+
+
+def sampled_token_kl(
+    new_log_probs: torch.Tensor, old_log_probs: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Σ over the masked tokens of the k3 estimate of KL(π_old ‖ π_new), and the number of tokens.
+
+    With Δ = log π_new(y_t) − log π_old(y_t) on tokens y_t sampled from π_old, k3 = e^Δ − 1 − Δ ≥ 0 and
+    E[k3] = KL(π_old ‖ π_new) per token. Returned as (sum, count) so that processes can add theirs before dividing.
+
+    Args:
+        new_log_probs, old_log_probs: ``(B, T)`` log-probabilities of the completion tokens under the two policies.
+        mask: ``(B, T)`` 1 for the tokens that count.
+    """
+    delta = (new_log_probs.float() - old_log_probs.float()).clamp(-20.0, 20.0)  # exp of a huge Δ is not a number
+    k3 = torch.expm1(delta) - delta
+    weights = mask.float()
+    return (k3 * weights).sum(), weights.sum()
+
+
+class TrustRegionRate:
+    """The factor that keeps each optimizer step's measured KL near ``target_kl`` (module docstring).
+
+    Args:
+        target_kl: δ, the mean per-token KL(π_t ‖ π_{t+1}) a step may move the policy by.
+        mode: ``"cap"`` (never above the scheduled × SNR rate) or ``"target"`` (follows δ both ways).
+        ema_decay: decay of the bias-corrected moving average of the curvature KL/η².
+        min_ratio: smallest factor (both modes).
+        max_ratio: largest factor of ``"target"`` (``"cap"`` never exceeds 1).
+    """
+
+    def __init__(self, target_kl: float, mode: str = "cap", ema_decay: float = 0.5, min_ratio: float = 0.01,
+                 max_ratio: float = 10.0):
+        if mode not in TRUST_REGION_MODES:
+            raise ValueError(f"mode must be one of {TRUST_REGION_MODES}; got {mode!r}.")
+        if not target_kl > 0 or not math.isfinite(target_kl):
+            raise ValueError(f"target_kl must be a finite float > 0; got {target_kl}.")
+        self.target_kl, self.mode = float(target_kl), mode
+        self.min_ratio, self.max_ratio = float(min_ratio), float(max_ratio)
+        self.curvature = BiasCorrectedEMA(ema_decay)
+        self.last_kl = float("nan")
+
+    def update(self, kl: float, lr: float) -> bool:
+        """A step of rate ``lr`` moved the policy by ``kl``: fold KL/lr² into the curvature. Returns whether it
+        counted (a zero or non-finite rate, or a non-finite KL, is no measurement)."""
+        self.last_kl = kl
+        if not (math.isfinite(kl) and math.isfinite(lr) and lr > 0):
+            return False
+        self.curvature.update(max(kl, 0.0) / lr**2)
+        return True
+
+    @property
+    def rate(self) -> float:
+        """η_δ = sqrt(δ / ĉ): the rate the smoothed curvature says moves the policy by δ (inf before any measurement
+        or while no step moved it)."""
+        curvature = self.curvature.value
+        if not math.isfinite(curvature) or curvature <= 0:
+            return math.inf
+        return math.sqrt(self.target_kl / curvature)
+
+    def factor(self, base_lr: float) -> float:
+        """The factor on ``base_lr`` (scheduled rate × SNR factor) for the next step: min(1, η_δ/η_s) (cap) or
+        clip(η_δ/η_s, r_min, r_max) (target), never below r_min; 1 before the first measurement."""
+        rate = self.rate
+        if not math.isfinite(rate) or not base_lr > 0:
+            return 1.0
+        upper = 1.0 if self.mode == "cap" else self.max_ratio
+        return min(upper, max(self.min_ratio, rate / base_lr))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"curvature": self.curvature.state_dict(), "last_kl": self.last_kl}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.curvature.load_state_dict(state["curvature"])
+        self.last_kl = float(state["last_kl"])

@@ -1,0 +1,224 @@
+"""The trust region of the step (DESIGN §2, "Measured stability"): the rule, the KL it measures, and the trainer."""
+
+import copy
+import json
+import math
+
+import pytest
+import torch
+from transformers import TrainerCallback
+
+from oblr_trl.trust_region import TrustRegionRate, sampled_token_kl
+
+# ----------------------------------------------------------------------------------------------------------------
+# The rule (pure)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def test_before_any_measurement_the_factor_is_one():
+    assert TrustRegionRate(1e-3).factor(1e-4) == 1.0
+    assert TrustRegionRate(1e-3, "target").factor(1e-4) == 1.0
+
+
+@pytest.mark.parametrize("mode", ["cap", "target"])
+def test_a_step_above_the_target_kl_lowers_the_rate(mode):
+    rule = TrustRegionRate(1e-3, mode, ema_decay=0.0)
+    rule.update(kl=4e-3, lr=1e-4)  # 4δ at 1e-4: δ is reached at 1e-4 · sqrt(1/4)
+    assert rule.rate == pytest.approx(5e-5)
+    assert rule.factor(1e-4) == pytest.approx(0.5)
+
+
+def test_the_target_form_raises_a_rate_whose_steps_stay_below_the_target_within_its_bound():
+    rule = TrustRegionRate(1e-3, "target", ema_decay=0.0, max_ratio=10.0)
+    rule.update(kl=1e-3 / 16, lr=1e-4)
+    assert rule.factor(1e-4) == pytest.approx(4.0)
+    rule.update(kl=1e-3 / 10_000, lr=1e-4)  # would be 100×: bounded
+    assert rule.factor(1e-4) == 10.0
+
+
+def test_the_cap_never_exceeds_the_scheduled_rate_times_the_snr_factor():
+    rule = TrustRegionRate(1e-3, "cap", ema_decay=0.0)
+    for kl in (1e-6, 1e-3, 1e-1, 0.0):
+        rule.update(kl=kl, lr=1e-4)
+        for base in (1e-6, 1e-4, 1e-2):
+            assert 0.0 < rule.factor(base) <= 1.0
+
+
+def test_the_factor_never_falls_below_its_floor_and_a_still_policy_leaves_it_alone():
+    rule = TrustRegionRate(1e-6, "cap", ema_decay=0.0, min_ratio=0.05)
+    rule.update(kl=10.0, lr=1e-3)
+    assert rule.factor(1e-3) == 0.05
+    still = TrustRegionRate(1e-3, "cap", ema_decay=0.0)
+    still.update(kl=0.0, lr=1e-3)  # no curvature measured yet: no rate to cap at
+    assert still.factor(1e-3) == 1.0
+
+
+def test_the_curvature_is_smoothed_and_non_measurements_are_ignored():
+    rule = TrustRegionRate(1e-3, "cap", ema_decay=0.5)
+    rule.update(kl=1e-3, lr=1e-2)  # curvature 10
+    rule.update(kl=4e-3, lr=1e-2)  # curvature 40
+    average = (0.5 * 0.5 * 10 + 0.5 * 40) / (1 - 0.25)
+    assert rule.rate == pytest.approx(math.sqrt(1e-3 / average))
+    assert not rule.update(kl=float("nan"), lr=1e-2) and not rule.update(kl=1e-3, lr=0.0)
+    assert rule.rate == pytest.approx(math.sqrt(1e-3 / average))
+    copied = TrustRegionRate(1e-3, "cap", ema_decay=0.5)
+    copied.load_state_dict(json.loads(json.dumps(rule.state_dict())))
+    assert copied.rate == rule.rate
+
+
+def test_options_are_checked():
+    with pytest.raises(ValueError, match="mode"):
+        TrustRegionRate(1e-3, "both")
+    with pytest.raises(ValueError, match="target_kl"):
+        TrustRegionRate(0.0)
+
+
+def test_sampled_token_kl_is_unbiased_for_the_kl_of_two_categoricals():
+    generator = torch.Generator().manual_seed(0)
+    old = torch.log_softmax(torch.randn(50, generator=generator), -1)
+    new = torch.log_softmax(old + 0.3 * torch.randn(50, generator=generator), -1)
+    exact = (old.exp() * (old - new)).sum()
+    tokens = torch.multinomial(old.exp(), 200_000, replacement=True, generator=generator)
+    total, count = sampled_token_kl(new[tokens][None], old[tokens][None], torch.ones(1, len(tokens)))
+    k3 = torch.expm1(new[tokens] - old[tokens]) - (new[tokens] - old[tokens])
+    assert count == len(tokens)
+    assert (total / count).item() == pytest.approx(exact.item(), abs=4 * k3.std().item() / math.sqrt(len(tokens)))  # 4 s.e.
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# In the trainer
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def plain_copy(model):
+    """A copy of the policy's weights in a plain model of the same config (TRL patches the policy's `forward` with a
+    fused LM head that a deepcopy would still route to the original)."""
+    from transformers import AutoModelForCausalLM
+
+    plain = AutoModelForCausalLM.from_config(model.config)
+    plain.load_state_dict(copy.deepcopy(model.state_dict()))
+    return plain.eval()
+
+
+class PolicySnapshots(TrainerCallback):
+    """The policy before each step and the micro-batches the KL is measured on."""
+
+    def __init__(self):
+        self.trainer, self.before, self.batches = None, {}, {}
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.before[state.global_step + 1] = plain_copy(self.trainer.model)
+        keep = self.trainer.kl_recorder.keep
+        if not getattr(keep, "recording", False):
+            def recording(batch, log_probs, mask):
+                self.batches.setdefault(self.trainer.state.global_step + 1, []).append((batch, mask))
+                keep(batch, log_probs, mask)
+
+            recording.recording = True
+            self.trainer.kl_recorder.keep = recording
+
+
+def _log_probs(model, batch, temperature):
+    """log π(y_t) of the completion tokens, by a plain forward of the model (not TRL's fused head)."""
+    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+    width = batch["completion_ids"].size(1)
+    with torch.no_grad():
+        logits = model(input_ids=input_ids, attention_mask=mask).logits[:, -width - 1 : -1].double() / temperature
+    return torch.log_softmax(logits, -1).gather(-1, batch["completion_ids"].unsqueeze(-1)).squeeze(-1)
+
+
+def test_the_logged_step_kl_is_the_kl_between_the_policies_before_and_after_the_step(make_trainer):
+    snapshots = PolicySnapshots()
+    trainer = make_trainer(log_step_kl=True, max_steps=3, callbacks=[snapshots], temperature=0.9)
+    snapshots.trainer = trainer
+    trainer.train()
+    logged = {h["step"]: h for h in trainer.state.log_history if "loss" in h}
+    after = {step: snapshots.before[step + 1] for step in (1, 2)}
+    after[3] = plain_copy(trainer.model)
+    for step in (1, 2, 3):
+        total, tokens, deltas = 0.0, 0.0, []
+        for batch, mask in snapshots.batches[step]:
+            old, new = _log_probs(snapshots.before[step], batch, 0.9), _log_probs(after[step], batch, 0.9)
+            delta = (new - old)[mask.bool()]
+            total += (torch.expm1(delta) - delta).sum().item()
+            tokens += mask.sum().item()
+            deltas.append(delta.abs())
+        assert len(snapshots.batches[step]) == 2  # both micro-batches of the step, not a sample
+        # each k3 is formed from a Δ of size mean|Δ|: float32 log-probabilities move it by ~1e-6 of that
+        scale = torch.cat(deltas).mean().item()
+        assert logged[step]["oblr/step_kl"] == pytest.approx(total / tokens, abs=1e-4 * scale) and total > 0
+    assert "oblr/trust_region_factor" not in logged[3]  # measured, not acted on
+
+
+def _factors(trainer):
+    return [h.get("oblr/trust_region_factor") for h in trainer.state.log_history if "loss" in h]
+
+
+class RatesUsed(TrainerCallback):
+    def __init__(self):
+        self.trainer, self.seen, self.hooked = None, [], None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        from oblr_trl.optim_hooks import innermost_optimizer
+
+        optimizer = innermost_optimizer(self.trainer.optimizer)
+        if self.hooked is not optimizer:  # registered after the trainer's: sees the scaled rate
+            optimizer.register_step_pre_hook(lambda opt, a, k: self.seen.append(float(opt.param_groups[0]["lr"])))
+            self.hooked = optimizer
+
+
+def test_the_trust_region_sets_the_rate_the_optimizer_uses(make_trainer):
+    """A δ far below what a 1e-2 step moves the tiny policy: from step 2 on the optimizer's rate is the scheduled
+    rate × the SNR factor × the trust-region factor, and that factor is below 1 (the curvature's rate)."""
+    probe = RatesUsed()
+    trainer = make_trainer(lr_trust_region_kl=1e-6, max_steps=4, callbacks=[probe], lr_scheduler_type="constant")
+    probe.trainer = trainer
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if "loss" in h]
+    factors = _factors(trainer)
+    assert factors[0] == 1.0 and all(f < 1.0 for f in factors[1:])  # nothing measured before step 1
+    for h, used, factor in zip(logged, probe.seen, factors, strict=True):
+        assert used == pytest.approx(1e-2 * h["snr/lr_factor"] * factor, rel=1e-6)
+        assert h["snr/effective_lr"] == pytest.approx(used, rel=1e-6)
+
+
+def test_each_trust_region_option_changes_the_factor(make_trainer):
+    common = dict(max_steps=3, lr_scheduler_type="constant", use_snr_lr=False)
+    off = make_trainer(**common)
+    off.train()
+    assert off.kl_recorder is None and _factors(off) == [None] * 3
+    floor = make_trainer(lr_trust_region_kl=1e-12, lr_trust_region_min_ratio=0.2, **common)
+    floor.train()
+    assert _factors(floor)[1:] == [0.2, 0.2]
+    generous = make_trainer(lr_trust_region_kl=10.0, **common)  # cap: a δ no step reaches leaves the rate alone
+    generous.train()
+    assert _factors(generous) == [1.0, 1.0, 1.0]
+    raised = make_trainer(lr_trust_region_kl=10.0, lr_trust_region_mode="target", lr_trust_region_max_ratio=3.0,
+                          **common)
+    raised.train()
+    assert _factors(raised)[1:] == [3.0, 3.0]  # target: the too-low rate is raised, to its bound
+    smoothed = make_trainer(lr_trust_region_kl=1e-6, lr_trust_region_ema_decay=0.9, **common)
+    assert smoothed.kl_recorder.rule.curvature.decay == 0.9
+    measured = make_trainer(log_step_kl=True, **common)
+    measured.train()
+    assert all(h["oblr/step_kl"] > 0 for h in measured.state.log_history if "loss" in h)
+
+
+def test_resume_restores_the_trust_region(make_trainer, tmp_path):
+    from test_scaling import StopAt
+
+    common = dict(max_steps=5, save_strategy="steps", save_steps=2, lr_trust_region_kl=1e-5, use_snr_lr=False,
+                  lr_scheduler_type="constant")
+    straight = make_trainer(output_dir=str(tmp_path / "straight"), **common)
+    straight.train()
+    first = make_trainer(output_dir=str(tmp_path / "split"), callbacks=[StopAt(2)], **common)
+    first.train()
+    state = json.loads((tmp_path / "split" / "checkpoint-2" / "oblr_state.json").read_text())
+    assert state["step_kl"]["trust_region"]["curvature"]["count"] == 2
+    second = make_trainer(output_dir=str(tmp_path / "split"), **common)
+    second.train(resume_from_checkpoint=str(tmp_path / "split" / "checkpoint-2"))
+    resumed = _factors(second)  # the log history of steps 1-2 comes back with the checkpoint
+    assert len(resumed) == 5 and resumed[:2] == _factors(first)
+    assert resumed[2] != 1.0  # step 3's factor comes from the restored curvature
+    assert resumed == pytest.approx(_factors(straight), rel=1e-5)
