@@ -171,6 +171,13 @@ def test_stability_smoke(saved_tiny_model, tmp_path):
     resolve = json.loads((tmp_path / "summary.json").read_text())["resolve"]
     assert sorted(r["method"].split("@")[0] for r in resolve) == ["grpo", "oblrpo"]
     assert all(len(r["lr_factor"]) == 1 for r in resolve) and "t: largest / last" in out
+    tiny = ["--model", str(saved_tiny_model), "--seeds", "10", "--rates", "1e-4", "--steps", "2", "--eval_problems", "4",
+            "--bootstrap", "50", "--output_dir", str(tmp_path)]
+    run("stability.py", "--part", "delta", *tiny)  # δ of the trust region from validation runs
+    out = run("stability.py", "--part", "smollm2", "--methods", "oblrpo-trust-cap", "grpo-trust-target", *tiny)
+    delta = json.loads((tmp_path / "summary.json").read_text())["trust_region_delta"]
+    assert delta["seeds"] == [10] and delta["split"] == "validation" and len(delta["step_kl_quartiles"]) == 3
+    assert "Trust-region runs so far" in out and "| grpo-trust-target |" in out
 
 
 def test_results_record_the_load_average_and_warn_above_the_cores(tmp_path, monkeypatch, capsys):
