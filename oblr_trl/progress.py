@@ -35,8 +35,13 @@ def summary(logs: dict) -> dict[str, str]:
 def training_summary(steps: int, logs: dict) -> str:
     """'trained 6 steps in 45 s (0.133 steps/s)', with the last segment's seconds when the run was resumed."""
     total, segment = logs.get(TOTAL_RUNTIME_KEY, logs["train_runtime"]), logs["train_runtime"]
-    line = f"trained {counted(steps, 'step')} in {total:.0f} s ({steps / total if total > 0 else float('nan'):.3f} steps/s)"
-    return line + (f"; this segment {segment:.0f} s" if round(total) != round(segment) else "")
+    line = (f"trained {counted(steps, 'step')} in {_seconds(total)} "
+            f"({steps / total if total > 0 else float('nan'):.3f} steps/s)")
+    return line + (f"; this segment {_seconds(segment)}" if total > segment else "")  # resumed: earlier segments
+
+
+def _seconds(value: float) -> str:
+    return f"{value:.0f} s" if value >= 10 else f"{value:.1f} s"
 
 
 class ConciseProgressCallback(ProgressCallback):
