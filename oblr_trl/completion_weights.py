@@ -294,7 +294,7 @@ class CompletionWeights:
         trainer = self.trainer
         input_ids, attention_mask, logits_to_keep = sequence_inputs(batch)
         multimodal = {key: batch[key] for key in _MULTIMODAL_KEYS if key in batch}
-        params = [p for p in trainer.model.parameters() if p.requires_grad]
+        params = trainer._trainable_parameters()
         norms = []
         with torch.enable_grad(), disable_gradient_checkpointing(self.policy, self.args.gradient_checkpointing_kwargs):
             for start in range(0, input_ids.size(0), size):
@@ -326,7 +326,7 @@ class CompletionWeights:
         self.refuse_parameter_gradients_under_fsdp2("The loss depends on the entropies (an entropy term).")
         pairs = [(o, grads[id(o)]) for o in outputs if grads[id(o)] is not None]
         objective = row_objective([o for o, _ in pairs], [g for _, g in pairs])
-        params = [p for p in self.trainer.model.parameters() if p.requires_grad]
+        params = self.trainer._trainable_parameters()
         return per_sample_grad_sq_norms(objective, log_probs.size(0), params, retain_graph=True).sum()
 
 

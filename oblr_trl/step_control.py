@@ -52,6 +52,7 @@ class OptimizerStepControl:
         self.gate = gate
         self.current_step = current_step
         self.skipped = 0
+        self.optimizer: torch.optim.Optimizer | None = None
         self.lr_scale: StepLearningRateScale | None = None
         self.step_gate: OptimizerStepGate | None = None
         self.begin_step()
@@ -60,9 +61,9 @@ class OptimizerStepControl:
         """Hook the optimizer that updates the parameters (once per optimizer object). The gate goes on first: a refused
         step does not reach the learning-rate hooks."""
         optimizer = innermost_optimizer(optimizer)
-        hooked = self.step_gate or self.lr_scale
-        if hooked is not None and hooked.optimizer is optimizer:
+        if optimizer is self.optimizer:
             return
+        self.optimizer = optimizer
         for hooks in (self.step_gate, self.lr_scale):
             if hooks is not None:
                 hooks.remove()
@@ -75,11 +76,11 @@ class OptimizerStepControl:
         """Before the step's first micro-batch: its factor, from the measurements of the steps before it."""
         self.snr_part = self.snr_factor() if self.snr_factor is not None else 1.0
         self.trust_part = 1.0
-        if self.trust_factor is not None and self.lr_scale is not None:
-            scheduled = float(self.lr_scale.optimizer.param_groups[0]["lr"])  # the scheduler has set this step's
+        if self.trust_factor is not None and self.optimizer is not None:
+            scheduled = float(self.optimizer.param_groups[0]["lr"])  # the scheduler has set this step's
             self.trust_part = self.trust_factor(scheduled * self.snr_part)
         self.factor = self.snr_part * self.trust_part
-        self.applied_lr: float | None = None  # the rate the step used, once it ran
+        self._scaled_lr: float | None = None  # the rate a scaled step used, once it ran
         self.loss_finite = torch.ones((), dtype=torch.bool)
         self.grad_norm_finite = True
         self._allowed_now: bool | None = None
@@ -121,9 +122,18 @@ class OptimizerStepControl:
         if self._logged:
             return
         self._logged = True
-        self.applied_lr = scheduled_lr * factor
+        self._scaled_lr = scheduled_lr * factor
         if self.snr_factor is not None:
             self.metrics["snr/lr_factor"].append(self.snr_part)
         if self.trust_factor is not None:
             self.metrics["oblr/trust_region_factor"].append(self.trust_part)
-        self.metrics["snr/effective_lr"].append(self.applied_lr)
+        self.metrics["snr/effective_lr"].append(self._scaled_lr)
+
+    @property
+    def applied_lr(self) -> float | None:
+        """The rate the step that just ran used; None if it was refused."""
+        if self._allowed_now is False:
+            return None
+        if self._scaled_lr is not None:
+            return self._scaled_lr
+        return float(self.optimizer.param_groups[0]["lr"]) if self.optimizer is not None else None

@@ -55,14 +55,14 @@ class StepKLRecorder:
     def after_step(self, lr: float | None, metrics: MutableMapping[str, list]) -> None:
         """The optimizer stepped with rate ``lr`` (None: the step was refused): measure, log and update the rule."""
         kept, self._batches = self._batches, []
-        if not kept:  # no training micro-batch ran on this process
+        if not kept or lr is None:  # no micro-batch ran, or the step was refused (on every process alike): no move
             return
         with torch.no_grad():
             sums = [torch.stack(sampled_token_kl(self.token_log_probs(batch), old, mask)) for batch, old, mask in kept]
             total, tokens = self.reduce_sum(torch.stack(sums).sum(0)).tolist()
         kl = total / tokens if tokens > 0 else float("nan")
         metrics["oblr/step_kl"].append(kl)
-        if self.rule is not None and lr is not None:
+        if self.rule is not None:
             self.rule.update(kl, lr)
             rate = self.rule.rate
             metrics["oblr/trust_region_rate"].append(rate if math.isfinite(rate) else float("nan"))

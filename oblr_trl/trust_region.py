@@ -75,12 +75,10 @@ class TrustRegionRate:
         self.target_kl, self.mode = float(target_kl), mode
         self.min_ratio, self.max_ratio = float(min_ratio), float(max_ratio)
         self.curvature = BiasCorrectedEMA(ema_decay)
-        self.last_kl = float("nan")
 
     def update(self, kl: float, lr: float) -> bool:
         """A step of rate ``lr`` moved the policy by ``kl``: fold KL/lr² into the curvature. Returns whether it
         counted (a zero or non-finite rate, or a non-finite KL, is no measurement)."""
-        self.last_kl = kl
         if not (math.isfinite(kl) and math.isfinite(lr) and lr > 0):
             return False
         self.curvature.update(max(kl, 0.0) / lr**2)
@@ -105,8 +103,7 @@ class TrustRegionRate:
         return min(upper, max(self.min_ratio, rate / base_lr))
 
     def state_dict(self) -> dict[str, Any]:
-        return {"curvature": self.curvature.state_dict(), "last_kl": self.last_kl}
+        return {"curvature": self.curvature.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.curvature.load_state_dict(state["curvature"])
-        self.last_kl = float(state["last_kl"])
