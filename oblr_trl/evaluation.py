@@ -132,8 +132,13 @@ def generate_completions(
     import torch
     from tqdm.auto import tqdm
 
+    # Batched prompts need a pad token; a checkpoint without one (SmolLM2's GGUF under some transformers versions)
+    # pads with its eos, as TRL does. Both are put back afterwards: the caller may go on training with this tokenizer.
     padding_side, tokenizer.padding_side = tokenizer.padding_side, "left"
-    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad_token = tokenizer.pad_token
+    if pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    pad_token_id = tokenizer.pad_token_id
     torch.manual_seed(seed)
     if temperature > 0:
         sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0}
@@ -156,6 +161,8 @@ def generate_completions(
             outputs.extend(decoded[i : i + n] for i in range(0, len(decoded), n))
     finally:
         tokenizer.padding_side = padding_side
+        if pad_token is None:
+            tokenizer.pad_token = None
     return outputs
 
 

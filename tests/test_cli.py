@@ -155,6 +155,20 @@ def test_eval_sampling_reports_pass_at_n(tmp_path, saved_tiny_model):
     assert evaluate(str(saved_tiny_model), "arithmetic", max_new_tokens=2, dataset=loaded, progress=False).num_problems == 2
 
 
+def test_eval_pads_prompts_with_eos_when_the_tokenizer_has_no_pad_token():
+    from oblr_trl.evaluation import generate_completions
+    from oblr_trl.testing import tiny_causal_lm, tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    model = tiny_causal_lm(tokenizer)
+    tokenizer.pad_token = None
+    tokenizer.padding_side = "right"
+    prompts = [[{"role": "user", "content": "1+1"}], [{"role": "user", "content": "a much longer prompt"}]]
+    completions = generate_completions(model, tokenizer, prompts, max_new_tokens=2, progress=False)
+    assert len(completions) == 2 and all(len(c) == 1 for c in completions)
+    assert tokenizer.pad_token is None and tokenizer.padding_side == "right"  # handed back as it came
+
+
 def test_tasks_command_lists_every_task(capsys):
     from oblr_trl.tasks import TASKS
 

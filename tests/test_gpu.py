@@ -79,5 +79,6 @@ def test_learning_rate_factor_reaches_the_backend_optimizer(tmp_path, backend, w
         assert used == pytest.approx(scheduled * factor, rel=1e-6)
     assert any(factor < 1.0 for _, factor in result["logged"])  # the factor was measured, not left at 1
     assert result["params_changed"] and result["params_finite"]
-    snr = [log["snr/snr"] for log in result["log_history"] if "snr/snr" in log]
+    # a step without an independent pair of gradients is unresolved: NaN, which TRL's log writes as None
+    snr = [log["snr/snr"] for log in result["log_history"] if log.get("snr/snr") is not None]
     assert snr and all(s == s and s >= 0 for s in snr)
