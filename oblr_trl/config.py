@@ -167,9 +167,10 @@ class OBLRPOConfig(OBLRPOOptions, GRPOConfig):  # this base order keeps GRPOConf
 
         lr_trust_region_kl (`float` or `None`, *optional*, defaults to `None`):
             Target δ of the mean per-token KL(π_t ‖ π_{t+1}) one optimizer step may move the policy by. After each
-            step the KL is measured on its last micro-batch (one no-grad forward, k3 estimator on the sampled tokens)
-            and the curvature c = KL/lr² smoothed; the next step's rate is the one that moves the policy by δ,
-            sqrt(δ/ĉ), used as `lr_trust_region_mode` says. It composes with the rest as
+            step the KL is measured on the step's completions (one no-grad forward, k3 estimator on the sampled
+            tokens) and the curvature c = KL/lr² smoothed; the next step's rate is the one that moves the policy by
+            δ, sqrt(δ/ĉ), used as `lr_trust_region_mode` says. Until a step has moved the policy, the step is a probe
+            at `lr_trust_region_min_ratio` × the base rate (Adam's first step is its largest). It composes with the rest as
             lr = scheduled · f_SNR · g_TR: the schedule (warm-up included) and the SNR factor set the base rate, the
             trust-region factor g_TR is computed on it; gradient clipping acts on the gradient before (the KL measures
             the clipped step); the curvature is saved in checkpoints and restored on resume; the KL is summed over
@@ -180,14 +181,15 @@ class OBLRPOConfig(OBLRPOOptions, GRPOConfig):  # this base order keeps GRPOConf
             `"target"`: the rate follows δ both ways within [`lr_trust_region_min_ratio`,
             `lr_trust_region_max_ratio`] × scheduled · f_SNR — a too-low configured rate is raised too.
         lr_trust_region_min_ratio (`float`, *optional*, defaults to `0.01`):
-            Smallest trust-region factor, in (0, 1]: a spike of curvature cannot stall training.
+            Smallest trust-region factor, in (0, 1]: a spike of curvature cannot stall training. Also the factor of
+            the probe, the first step(s), before any curvature is measured.
         lr_trust_region_max_ratio (`float`, *optional*, defaults to `10.0`):
             Largest trust-region factor of `"target"`, ≥ 1 (`"cap"` never exceeds 1).
         lr_trust_region_ema_decay (`float`, *optional*, defaults to `0.5`):
             Decay of the bias-corrected moving average of the curvature KL/lr², in [0, 1).
         log_step_kl (`bool`, *optional*, defaults to `False`):
-            Measure and log each step's KL (`oblr/step_kl`) without a trust region (one no-grad forward of a
-            micro-batch per step). Always on with `lr_trust_region_kl`.
+            Measure and log each step's KL (`oblr/step_kl`) without a trust region (one no-grad forward of the
+            step's completions). Always on with `lr_trust_region_kl`.
 
         > Parameters that control robustness
 

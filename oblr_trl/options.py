@@ -172,8 +172,9 @@ class OBLRPOOptions:
         default=None,
         metadata={
             "help": "Target δ of the mean per-token KL(π_t ‖ π_{t+1}) one optimizer step may move the policy by, "
-            "measured after each step on its last micro-batch; the next step's rate is the one the smoothed "
-            "curvature KL/lr² says gives δ (see lr_trust_region_mode). None: no trust region."
+            "measured after each step on its completions; the next step's rate is the one the smoothed "
+            "curvature KL/lr² says gives δ (see lr_trust_region_mode); until a step has moved the policy, the step is "
+            "a probe at lr_trust_region_min_ratio × the base rate. None: no trust region."
         },
     )
     lr_trust_region_mode: str = field(
@@ -187,7 +188,8 @@ class OBLRPOOptions:
     )
     lr_trust_region_min_ratio: float = field(
         default=0.01,
-        metadata={"help": "Smallest trust-region factor, in (0, 1]: a spike of curvature cannot stall training."},
+        metadata={"help": "Smallest trust-region factor, in (0, 1]: a spike of curvature cannot stall training; "
+                  "also the factor of the probe step before any curvature is measured."},
     )
     lr_trust_region_max_ratio: float = field(
         default=10.0,
@@ -200,8 +202,8 @@ class OBLRPOOptions:
     log_step_kl: bool = field(
         default=False,
         metadata={
-            "help": "Measure and log each step's KL(π_t ‖ π_{t+1}) (`oblr/step_kl`; one no-grad forward of a "
-            "micro-batch per step) without a trust region. Always on with lr_trust_region_kl."
+            "help": "Measure and log each step's KL(π_t ‖ π_{t+1}) (`oblr/step_kl`; one no-grad forward of the "
+            "step's completions) without a trust region. Always on with lr_trust_region_kl."
         },
     )
 

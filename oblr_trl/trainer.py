@@ -178,7 +178,7 @@ class OBLRPOTrainer(GRPOTrainer):
             )
         # f_t of step t comes from the estimates of steps < t: under DeepSpeed the optimizer steps inside the last
         # backward, before step t's gradient norm exists, and a batch's own noise should not size its own step.
-        # the step's KL, measured after it on its last micro-batch, and the trust region it drives
+        # the step's KL, measured after it on its completions, and the trust region it drives
         self.kl_recorder: StepKLRecorder | None = None
         if args.measures_step_kl:
             rule = None if args.lr_trust_region_kl is None else TrustRegionRate(

@@ -15,9 +15,14 @@ from oblr_trl.trust_region import TrustRegionRate, sampled_token_kl
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def test_before_any_measurement_the_factor_is_one():
-    assert TrustRegionRate(1e-3).factor(1e-4) == 1.0
-    assert TrustRegionRate(1e-3, "target").factor(1e-4) == 1.0
+@pytest.mark.parametrize("mode", ["cap", "target"])
+def test_until_a_step_moves_the_policy_the_step_is_a_probe_at_the_floor(mode):
+    rule = TrustRegionRate(1e-3, mode, ema_decay=0.0, min_ratio=0.02)
+    assert rule.factor(1e-4) == 0.02
+    rule.update(kl=0.0, lr=2e-6)  # a probe that did not move the policy (no gradient): still no curvature
+    assert rule.factor(1e-4) == 0.02
+    rule.update(kl=1e-3 / 100, lr=1e-5)  # δ/100 at 1e-5: δ is reached at 1e-4
+    assert rule.factor(1e-4) == pytest.approx(1.0)
 
 
 @pytest.mark.parametrize("mode", ["cap", "target"])
@@ -44,13 +49,10 @@ def test_the_cap_never_exceeds_the_scheduled_rate_times_the_snr_factor():
             assert 0.0 < rule.factor(base) <= 1.0
 
 
-def test_the_factor_never_falls_below_its_floor_and_a_still_policy_leaves_it_alone():
+def test_the_factor_never_falls_below_its_floor():
     rule = TrustRegionRate(1e-6, "cap", ema_decay=0.0, min_ratio=0.05)
     rule.update(kl=10.0, lr=1e-3)
     assert rule.factor(1e-3) == 0.05
-    still = TrustRegionRate(1e-3, "cap", ema_decay=0.0)
-    still.update(kl=0.0, lr=1e-3)  # no curvature measured yet: no rate to cap at
-    assert still.factor(1e-3) == 1.0
 
 
 def test_the_curvature_is_smoothed_and_non_measurements_are_ignored():
@@ -177,7 +179,7 @@ def test_the_trust_region_sets_the_rate_the_optimizer_uses(make_trainer):
     trainer.train()
     logged = [h for h in trainer.state.log_history if "loss" in h]
     factors = _factors(trainer)
-    assert factors[0] == 1.0 and all(f < 1.0 for f in factors[1:])  # nothing measured before step 1
+    assert factors[0] == 0.01 and all(0.01 <= f < 1.0 for f in factors[1:])  # step 1: the probe, at the floor
     for h, used, factor in zip(logged, probe.seen, factors, strict=True):
         assert used == pytest.approx(1e-2 * h["snr/lr_factor"] * factor, rel=1e-6)
         assert h["snr/effective_lr"] == pytest.approx(used, rel=1e-6)
@@ -190,10 +192,10 @@ def test_each_trust_region_option_changes_the_factor(make_trainer):
     assert off.kl_recorder is None and _factors(off) == [None] * 3
     floor = make_trainer(lr_trust_region_kl=1e-12, lr_trust_region_min_ratio=0.2, **common)
     floor.train()
-    assert _factors(floor)[1:] == [0.2, 0.2]
+    assert _factors(floor) == [0.2, 0.2, 0.2]  # the probe, then the floor
     generous = make_trainer(lr_trust_region_kl=10.0, **common)  # cap: a δ no step reaches leaves the rate alone
     generous.train()
-    assert _factors(generous) == [1.0, 1.0, 1.0]
+    assert _factors(generous) == [0.01, 1.0, 1.0]
     raised = make_trainer(lr_trust_region_kl=10.0, lr_trust_region_mode="target", lr_trust_region_max_ratio=3.0,
                           **common)
     raised.train()
@@ -208,7 +210,7 @@ def test_each_trust_region_option_changes_the_factor(make_trainer):
 def test_resume_restores_the_trust_region(make_trainer, tmp_path):
     from test_scaling import StopAt
 
-    common = dict(max_steps=5, save_strategy="steps", save_steps=2, lr_trust_region_kl=1e-5, use_snr_lr=False,
+    common = dict(max_steps=5, save_strategy="steps", save_steps=2, lr_trust_region_kl=1e-3, use_snr_lr=False,
                   lr_scheduler_type="constant")
     straight = make_trainer(output_dir=str(tmp_path / "straight"), **common)
     straight.train()
@@ -220,5 +222,5 @@ def test_resume_restores_the_trust_region(make_trainer, tmp_path):
     second.train(resume_from_checkpoint=str(tmp_path / "split" / "checkpoint-2"))
     resumed = _factors(second)  # the log history of steps 1-2 comes back with the checkpoint
     assert len(resumed) == 5 and resumed[:2] == _factors(first)
-    assert resumed[2] != 1.0  # step 3's factor comes from the restored curvature
+    assert resumed[2] != 0.01  # step 3's factor comes from the restored curvature, not a new probe
     assert resumed == pytest.approx(_factors(straight), rel=1e-5)
