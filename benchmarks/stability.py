@@ -1,9 +1,10 @@
 """Benchmark `stability`: does a learning-rate rule keep a run learning when the configured rate is too high?
 
 OBLR-PO's title claim is *stable* RL: the SNR-driven rate "contracts when noise dominates". Users rarely tune the
-rate of an RL run, so the question is what each method does over a grid of configured rates, from the best GRPO rate
-up to 10× (SmolLM2) or 30× (synthetic) it, against what GRPO users really run: TRL's defaults, whose scheduler decays
-the rate linearly to 0 with no warm-up.
+rate of an RL run, so the question is what each method does over a grid of configured rates, against what GRPO users
+really run: TRL's defaults, whose scheduler decays the rate linearly to 0 with no warm-up. On SmolLM2 the grid is
+symmetric around GRPO's best rate (best/10 … 10× best), so that a rule which only shrinks the rate loses at the low end
+what it saves at the high end; the synthetic grid goes from the best rate up to 30× it.
 
 Per cell (method × configured rate), over paired seeds (same initialisation, prompts and order for every method):
 final held-out accuracy with a bootstrap 95 % interval, AUC, the fraction of seeds that **collapsed** (final held-out
@@ -17,14 +18,18 @@ Three parts, each resumable and each writing into the one summary:
 * ``synthetic`` — the testbed of `synthetic_learning.py` (exact gradients, 100 paired seeds, the trainer's own pure
   functions), every method under both schedules (`constant`, and TRL's `linear`), rates 0.1 (GRPO's best) … 3.
 * ``smollm2`` — SmolLM2-135M-Instruct on a ± b (the splits and runner of `learning.py`), TRL's default schedule,
-  rates 1e-4 (GRPO's best in the learning benchmark) … 1e-3, 5 paired seeds; GRPO, the defaults and the defaults
-  before 2026-11-23 (`oblrpo-unscaled`). Each run is a fresh process kept under
-  `results/stability/runs/` (committed, so the grid can be completed across sessions).
+  rates 1e-5 … 1e-3 around 1e-4 (GRPO's best in the learning benchmark), paired seeds 0…4; GRPO, the defaults, the
+  paper-literal factor, and the trust region of the step (`lr_trust_region_kl`, δ chosen by ``delta``) in both forms
+  on GRPO's advantages and on OBLR-PO's. Each run is a fresh process kept under `results/stability/runs/` (committed,
+  so the grid can be completed across sessions: ``--methods``/``--rates``/``--seeds`` pick a part of it).
+* ``delta`` — the per-step KL of the defaults at the best rate on validation seeds and the validation split, from
+  which δ is chosen.
 * ``resolve`` — one longer SmolLM2 configuration with more prompts a step, in which the calibration of the SNR
   factor resolves, so the factor is seen acting on a real model (its trajectory is plotted).
 
     python benchmarks/stability.py --part synthetic      # 48 cells of 100 seeds (33 min on 2 busy cores)
-    python benchmarks/stability.py --part smollm2        # 45 runs (7 min each on 2 idle cores), 2 at a time; resumes
+    python benchmarks/stability.py --part smollm2        # 175 runs (7 min each on 2 idle cores), 2 at a time; resumes
+    python benchmarks/stability.py --part delta          # 2 validation runs that choose δ
     python benchmarks/stability.py --part resolve        # 3 longer runs (16 completions × 60 steps); resumes
     python benchmarks/stability.py --part summary        # rewrite the summary from what has been run
 """
@@ -46,7 +51,8 @@ from oblr_trl.snr import CALIBRATION_MIN_T
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import learning  # noqa: E402
 import synthetic_learning as synthetic  # noqa: E402
-from common import RESULTS, bootstrap_ci, markdown_table, new_figure, save_figure, write_results  # noqa: E402
+from common import (RESULTS, bootstrap_ci, markdown_table, new_figure, parse_overrides, save_figure,  # noqa: E402
+                    write_results)
 
 REFERENCE = "grpo"
 TRL_SCHEDULE = {"lr_scheduler_type": "linear", "warmup_steps": 0}  # GRPOConfig's (TrainingArguments') defaults
@@ -91,8 +97,11 @@ for _form in ("cap", "target"):
         {"lr_trust_region_kl": TRUST_REGION_KL, "lr_trust_region_mode": _form}, TRL_SCHEDULE)
     SMOLLM2_METHODS[f"grpo-trust-{_form}"] = (
         {**GRPO_AS_OBLRPO, "lr_trust_region_kl": TRUST_REGION_KL, "lr_trust_region_mode": _form}, TRL_SCHEDULE)
-SMOLLM2 = {"methods": [REFERENCE, "oblrpo", "oblrpo-unscaled"], "rates": [1e-4, 3e-4, 1e-3], "seeds": [0, 1, 2, 3, 4],
-           "steps": 40, "jobs": 2}
+# the symmetric grid of issue 26: GRPO's best rate (1e-4) ÷10 … ×10, so that a rule which only shrinks the rate loses
+# at the low end what it saves at the high end
+SMOLLM2 = {"methods": [REFERENCE, "oblrpo", "oblrpo-paper", "grpo-trust-cap", "grpo-trust-target", "oblrpo-trust-cap",
+                       "oblrpo-trust-target"],
+           "rates": [1e-5, 3e-5, 1e-4, 3e-4, 1e-3], "seeds": [0, 1, 2, 3, 4], "steps": 40, "jobs": 2}
 # more prompts a step and a longer run, so that the calibration window resolves
 RESOLVE = {"rate": 3e-5, "seed": 0, "steps": 60, "config": {"per_device_train_batch_size": 16, "num_generations": 4},
            "methods": ["oblrpo", "grpo", "oblrpo-two-sided"]}
@@ -103,8 +112,8 @@ def parse_args(argv=None):
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--part", choices=["synthetic", "smollm2", "resolve", "delta", "summary"], default="summary")
     parser.add_argument("--methods", nargs="+", default=None,
-                        help="methods of the part (default: all of the synthetic ones; grpo, oblrpo and "
-                        "oblrpo-unscaled on SmolLM2)")
+                        help="methods of the part (default: all of the synthetic ones; on SmolLM2 GRPO, the "
+                        "defaults, the paper-literal factor and both trust-region forms on GRPO and OBLR-PO)")
     parser.add_argument("--rates", type=float, nargs="+", default=None, help="the grid (default: the part's)")
     parser.add_argument("--seeds", type=int, nargs="+", default=None, help="SmolLM2 seeds (default 0…4)")
     parser.add_argument("--test_seeds", type=int, default=100, help="synthetic: paired seeds")
@@ -112,6 +121,9 @@ def parse_args(argv=None):
     parser.add_argument("--model", default="builtin:smollm2-135m-instruct")
     parser.add_argument("--eval_problems", type=int, default=200)
     parser.add_argument("--jobs", type=int, default=SMOLLM2["jobs"])
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
+                        help="override a config field of every SmolLM2 run, e.g. --set use_cpu=false on a GPU (give "
+                        "such runs their own --output_dir: cells pair runs of one machine only)")
     parser.add_argument("--bootstrap", type=int, default=10_000)
     parser.add_argument("--output_dir", default=str(RESULTS / "stability"))
     return parser.parse_args(argv)
@@ -213,7 +225,8 @@ def smollm2_specs(args, methods, rates, seeds, steps, extra_config=None, tag="",
         for rate in rates:
             for method in methods:
                 overrides, schedule = SMOLLM2_METHODS[method]
-                config = {**learning.PRESETS["cpu"]["config"], **schedule, **(extra_config or {})}
+                config = {**learning.PRESETS["cpu"]["config"], **schedule, **(extra_config or {}),
+                          **parse_overrides(args.overrides)}
                 specs.append({**base, "method": method + tag, "overrides": overrides, "config": config, "seed": seed,
                               "learning_rate": rate})
     initial = {**base, "method": "initial", "seed": 0, "learning_rate": 0.0, "split": "test", "held_out": paths["test"]}
@@ -332,6 +345,31 @@ def plot_collapse(runs: list[dict], output_dir: Path) -> Path | None:
     return save_figure(figure, output_dir, "collapse_seed")
 
 
+RATE_FOLLOWERS = ["oblrpo-trust-cap", "oblrpo-trust-target", "grpo-trust-cap", "grpo-trust-target"]
+
+
+def plot_rates_used(runs: list[dict], output_dir: Path) -> Path | None:
+    """Per trust-region method, the rate each step used on the `COLLAPSE` seed, one line per configured rate: if the
+    configured rate stopped mattering, the lines meet after the first steps."""
+    methods = [m for m in RATE_FOLLOWERS if any(r["method"] == m and r["seed"] == COLLAPSE["seed"] for r in runs)]
+    if not methods:
+        return None
+    figure, axes = new_figure(len(methods), (5.2 * len(methods), 4.4))
+    for axis, method in zip([axes] if len(methods) == 1 else axes, methods, strict=True):
+        chosen = sorted((r for r in runs if r["method"] == method and r["seed"] == COLLAPSE["seed"]),
+                        key=lambda r: r["learning_rate"])
+        for index, r in enumerate(chosen):
+            used = r["traces"]["snr/effective_lr"]
+            axis.plot(range(1, len(used) + 1), used, color=f"C{index}",
+                      label=f"configured {r['learning_rate']:g} (final acc {r['accuracy']:.2f})")
+            axis.axhline(r["learning_rate"], color=f"C{index}", linestyle=":", linewidth=0.8)
+        axis.set(xlabel="optimizer step", ylabel="learning rate used (dotted: configured)", yscale="log",
+                 title=f"{method}, seed {COLLAPSE['seed']}")
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=6)
+    return save_figure(figure, output_dir, "rates_used")
+
+
 def write_summary(args) -> None:
     output_dir = Path(args.output_dir)
     runs_dir = output_dir / "runs"
@@ -405,6 +443,9 @@ def write_summary(args) -> None:
             collapse = plot_collapse(runs, output_dir)
             if collapse is not None:
                 markdown += [f"![one collapsing seed with and without the trust region]({collapse.name})\n"]
+            rates_used = plot_rates_used(runs, output_dir)
+            if rates_used is not None:
+                markdown += [f"![the rate each step used, per configured rate]({rates_used.name})\n"]
     if synthetic_path.exists():
         data = json.loads(synthetic_path.read_text())
         cells = {m: {float(rate): runs for rate, runs in by_rate.items()} for m, by_rate in data["cells"].items()}
@@ -452,8 +493,8 @@ def main(argv=None) -> int:
             specs, initial = smollm2_specs(args, args.methods or RESOLVE["methods"], args.rates or [RESOLVE["rate"]],
                                            args.seeds or [RESOLVE["seed"]], args.steps or RESOLVE["steps"],
                                            RESOLVE["config"], resolve_tag())
-        learning.run_all([initial], runs_dir, "untrained model", args.jobs)  # each run is a `learning.py --child`
-        learning.run_all(specs, runs_dir, f"{args.part} runs", args.jobs)
+        # each run is a `learning.py --child`; the untrained model's accuracy beside the first runs
+        learning.run_all([initial, *specs], runs_dir, f"{args.part} runs", args.jobs)
     write_summary(args)
     return 0
 

@@ -174,10 +174,14 @@ def test_stability_smoke(saved_tiny_model, tmp_path):
     tiny = ["--model", str(saved_tiny_model), "--seeds", "10", "--rates", "1e-4", "--steps", "2", "--eval_problems", "4",
             "--bootstrap", "50", "--output_dir", str(tmp_path)]
     run("stability.py", "--part", "delta", *tiny)  # δ of the trust region from validation runs
-    out = run("stability.py", "--part", "smollm2", "--methods", "oblrpo-trust-cap", "grpo-trust-target", *tiny)
+    out = run("stability.py", "--part", "smollm2", "--methods", "oblrpo-trust-cap", "grpo-trust-target", *tiny,
+              "--seeds", "1", "--set", "lr_scheduler_type=constant")  # seed 1: the one whose rates are plotted
     delta = json.loads((tmp_path / "summary.json").read_text())["trust_region_delta"]
     assert delta["seeds"] == [10] and delta["split"] == "validation" and len(delta["step_kl_quartiles"]) == 3
     assert "Trust-region runs so far" in out and "| grpo-trust-target |" in out
+    assert (tmp_path / "rates_used.png").exists()
+    trust_run = json.loads((tmp_path / "runs" / "test-oblrpo-trust-cap-lr0.0001-seed1.json").read_text())
+    assert trust_run["traces"]["learning_rate"] == [1e-4, 1e-4]  # --set reached the config: TRL's linear would decay
 
 
 def test_results_record_the_load_average_and_warn_above_the_cores(tmp_path, monkeypatch, capsys):
