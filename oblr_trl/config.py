@@ -170,7 +170,9 @@ class OBLRPOConfig(OBLRPOOptions, GRPOConfig):  # this base order keeps GRPOConf
             step the KL is measured on the step's completions (one no-grad forward, k3 estimator on the sampled
             tokens) and the curvature c = KL/lr² smoothed; the next step's rate is the one that moves the policy by
             δ, sqrt(δ/ĉ), used as `lr_trust_region_mode` says. Until a step has moved the policy, the step is a probe
-            at `lr_trust_region_min_ratio` × the base rate (Adam's first step is its largest). It composes with the rest as
+            at `lr_trust_region_min_ratio` × the base rate (Adam's first step is its largest). A step whose gradient
+            is zero (every group scored alike) moves the policy by Adam's momentum only: its KL is logged but not
+            folded into the curvature, which it would understate. It composes with the rest as
             lr = scheduled · f_SNR · g_TR: the schedule (warm-up included) and the SNR factor set the base rate, the
             trust-region factor g_TR is computed on it; gradient clipping acts on the gradient before (the KL measures
             the clipped step); the curvature is saved in checkpoints and restored on resume; the KL is summed over

@@ -174,7 +174,8 @@ class OBLRPOOptions:
             "help": "Target δ of the mean per-token KL(π_t ‖ π_{t+1}) one optimizer step may move the policy by, "
             "measured after each step on its completions; the next step's rate is the one the smoothed "
             "curvature KL/lr² says gives δ (see lr_trust_region_mode); until a step has moved the policy, the step is "
-            "a probe at lr_trust_region_min_ratio × the base rate. None: no trust region."
+            "a probe at lr_trust_region_min_ratio × the base rate; a step with a zero gradient (every group scored "
+            "alike) moves only by momentum and is not measured. None: no trust region."
         },
     )
     lr_trust_region_mode: str = field(

@@ -83,6 +83,7 @@ class OptimizerStepControl:
         self._scaled_lr: float | None = None  # the rate a scaled step used, once it ran
         self.loss_finite = torch.ones((), dtype=torch.bool)
         self.grad_norm_finite = True
+        self.grad_norm: float | None = None  # None: not known before the step
         self._allowed_now: bool | None = None
         self._logged = False  # the factor of an applied step, or the skip of a refused one
 
@@ -92,7 +93,8 @@ class OptimizerStepControl:
 
     def note_grad_norm(self, grad_norm) -> None:
         """The step's pre-clip gradient norm, where it is known before the step (DeepSpeed computes it inside)."""
-        self.grad_norm_finite = grad_norm is None or math.isfinite(float(grad_norm))
+        self.grad_norm = None if grad_norm is None else float(grad_norm)
+        self.grad_norm_finite = self.grad_norm is None or math.isfinite(self.grad_norm)
 
     def _allowed(self) -> bool:
         """Every process agrees: the step's losses, gradient norm and factor are all finite."""

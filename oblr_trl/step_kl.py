@@ -52,8 +52,14 @@ class StepKLRecorder:
         """A training micro-batch of this step and its log-probabilities before the step."""
         self._batches.append((batch, log_probs.detach(), mask))
 
-    def after_step(self, lr: float | None, metrics: MutableMapping[str, list]) -> None:
-        """The optimizer stepped with rate ``lr`` (None: the step was refused): measure, log and update the rule."""
+    def after_step(self, lr: float | None, metrics: MutableMapping[str, list], grad_norm: float | None = None) -> None:
+        """The optimizer stepped with rate ``lr`` (None: the step was refused) on a gradient of norm ``grad_norm``
+        (None: unknown): measure and log the step's KL, and fold it into the rule unless the gradient was zero.
+
+        A step whose gradient is zero (every group of the step scored alike, so every advantage is 0) still moves the
+        parameters by the optimizer's momentum, a move much smaller than a gradient step of the same rate; its KL/lr²
+        would understate the curvature the next gradient step meets (`oblr_trl.trust_region`), so it is logged and
+        not folded in."""
         kept, self._batches = self._batches, []
         if not kept or lr is None:  # no micro-batch ran, or the step was refused (on every process alike): no move
             return
@@ -63,7 +69,8 @@ class StepKLRecorder:
         kl = total / tokens if tokens > 0 else float("nan")
         metrics["oblr/step_kl"].append(kl)
         if self.rule is not None:
-            self.rule.update(kl, lr)
+            if grad_norm != 0.0:
+                self.rule.update(kl, lr)
             rate = self.rule.rate
             metrics["oblr/trust_region_rate"].append(rate if math.isfinite(rate) else float("nan"))
 

@@ -69,7 +69,8 @@ class _OBLRPOCallback(TrainerCallback):
     def on_optimizer_step(self, args, state, control, **kwargs):
         trainer = self.trainer
         if trainer.kl_recorder is not None:  # the step's own KL, before the next step's factor is fixed
-            trainer.kl_recorder.after_step(trainer.step_control.applied_lr, trainer._metrics["train"])
+            step = trainer.step_control
+            trainer.kl_recorder.after_step(step.applied_lr, trainer._metrics["train"], step.grad_norm)
             if trainer._is_fsdp2:
                 reshard_fsdp2(trainer.model)
 

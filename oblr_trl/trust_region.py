@@ -22,8 +22,16 @@ step has moved the policy there is no curvature to size the step with, so that s
 measures the curvature at a rate too small to do harm, and the next step is sized by it. Without the probe the first
 step runs at the configured rate unmeasured, and Adam's first step is its largest (m̂/√v̂ = sign(g), every coordinate
 moves by the full rate): on SmolLM2 at 10× the best rate that one step moved the policy by 6.8 nats a token and the
-run never recovered (docs/trust_region.md). The KL itself is measured on tokens sampled from π_t with the k3 estimator
-E[(ρ − 1) − log ρ], ρ = π_{t+1}/π_t (non-negative, unbiased; TRL's estimator for its β-KL).
+run never recovered (docs/trust_region.md).
+
+Only steps driven by a gradient are measured. A step whose gradient is zero (every group scored alike) still moves the
+parameters by Adam's momentum, m̂/√v̂ with no new gradient in m, a move far shorter than a gradient step of the same
+rate, so its KL/η² understates the curvature the next gradient step meets: on SmolLM2 (seed 1, 3× the best rate,
+target form) three such steps in a row lowered ĉ 7-fold, the next gradient step ran at 4.9e-4, moved the policy by
+5.7 nats a token and the rewards were 0 for the next 12 steps (docs/trust_region.md).
+
+The KL itself is measured on tokens sampled from π_t with the k3 estimator E[(ρ − 1) − log ρ], ρ = π_{t+1}/π_t
+(non-negative, unbiased; TRL's estimator for its β-KL).
 
 Everything here is torch-only arithmetic: the trainer measures log-probabilities and hands them over.
 """

@@ -185,6 +185,29 @@ def test_the_trust_region_sets_the_rate_the_optimizer_uses(make_trainer):
         assert h["snr/effective_lr"] == pytest.approx(used, rel=1e-6)
 
 
+def test_a_step_without_a_gradient_is_logged_but_does_not_change_the_curvature(make_trainer):
+    """From step 2 on every group scores alike, so the gradient is zero: Adam's momentum still moves the policy (its
+    KL is logged) but by far less than a gradient step of the same rate, so the curvature, and with it the rate the
+    rule allows, stays what step 1 measured."""
+    from conftest import digit_fraction_reward
+
+    trainer = None
+
+    def rewards_vary_on_step_one_only(completions, **kwargs):
+        if trainer.state.global_step == 0:
+            return digit_fraction_reward(completions, **kwargs)
+        return [1.0] * len(completions)
+
+    trainer = make_trainer(reward_funcs=[rewards_vary_on_step_one_only], lr_trust_region_kl=1e-3, max_steps=4,
+                           use_snr_lr=False, lr_scheduler_type="constant")
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if "loss" in h]
+    assert logged[0]["grad_norm"] > 0 and all(h["grad_norm"] == 0 for h in logged[1:])
+    assert all(h["oblr/step_kl"] > 0 for h in logged)  # the momentum-only steps did move the policy
+    rates = [h["oblr/trust_region_rate"] for h in logged]
+    assert math.isfinite(rates[0]) and rates[1:] == [rates[0]] * 3
+
+
 def test_each_trust_region_option_changes_the_factor(make_trainer):
     common = dict(max_steps=3, lr_scheduler_type="constant", use_snr_lr=False)
     off = make_trainer(**common)
