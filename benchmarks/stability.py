@@ -345,6 +345,7 @@ def plot_collapse(runs: list[dict], output_dir: Path) -> Path | None:
     return save_figure(figure, output_dir, "collapse_seed")
 
 
+SUPERSEDED = "trust-region-v1"  # the first trust-region screen, before steps with a zero gradient were left out
 RATE_FOLLOWERS = ["oblrpo-trust-cap", "oblrpo-trust-target", "grpo-trust-cap", "grpo-trust-target"]
 
 
@@ -446,6 +447,16 @@ def write_summary(args) -> None:
             rates_used = plot_rates_used(runs, output_dir)
             if rates_used is not None:
                 markdown += [f"![the rate each step used, per configured rate]({rates_used.name})\n"]
+        superseded = cached_runs(runs_dir / SUPERSEDED) if (runs_dir / SUPERSEDED).exists() else []
+        if superseded:
+            results["trust_region_v1"] = [{key: r[key] for key in ("method", "seed", "learning_rate", "accuracy")}
+                                          for r in superseded]
+            markdown += [f"Rule v1, superseded (`runs/{SUPERSEDED}/`: it also folded the KL of steps with a zero "
+                         "gradient, which move by Adam's momentum only, into the curvature):\n",
+                         markdown_table(["method", "lr", "seed", "final acc."],
+                                        [[r["method"], r["learning_rate"], r["seed"], r["accuracy"]]
+                                         for r in sorted(superseded, key=lambda r: (r["method"], r["learning_rate"]))]),
+                         ""]
     if synthetic_path.exists():
         data = json.loads(synthetic_path.read_text())
         cells = {m: {float(rate): runs for rate, runs in by_rate.items()} for m, by_rate in data["cells"].items()}
