@@ -172,8 +172,38 @@ def grid_summary(cells: dict[str, dict[float, list[dict]]], resamples: int) -> d
         if method != REFERENCE and paired:
             diff = [own[s] - reference[s] for s in paired]
             entry.update(regret_minus_grpo=statistics.fmean(diff), regret_minus_grpo_ci=bootstrap_ci(diff, resamples))
+        if method != REFERENCE and REFERENCE in cells:
+            entry.update(against_grpo(rates, cells[REFERENCE], resamples))
         summary[method] = entry
     return {"best_cell_final": best, "methods": summary}
+
+
+def against_grpo(own: dict[float, list[dict]], reference: dict[float, list[dict]], resamples: int) -> dict:
+    """The other two tests of a default (issue 26, item 5), paired by seed with `grpo`: the final accuracy at GRPO's
+    best rate minus GRPO's there (``at_grpo_best_minus_grpo`` and its interval), and the rates at which this method
+    collapsed on a seed where GRPO did not (``collapses_where_grpo_does_not``)."""
+    def by_seed(runs: list[dict]) -> dict[int, dict]:
+        return {r["seed"]: r for r in runs}
+
+    def collapsed(run: dict) -> bool:
+        return run["final"] < run["initial"]
+
+    # GRPO's best rate on the seeds it ran at every rate: a cell with more seeds must not win or lose by its extra ones
+    everywhere = set.intersection(*({r["seed"] for r in runs} for runs in reference.values()))
+    best_rate = max(reference, key=lambda rate: statistics.fmean(
+        r["final"] for r in reference[rate] if r["seed"] in everywhere or not everywhere))
+    mine, theirs = by_seed(own.get(best_rate, [])), by_seed(reference[best_rate])
+    at_best = [mine[s]["final"] - theirs[s]["final"] for s in sorted(set(mine) & set(theirs))]
+    collapses = []
+    for rate in sorted(set(own) & set(reference)):
+        mine, theirs = by_seed(own[rate]), by_seed(reference[rate])
+        if any(collapsed(mine[s]) and not collapsed(theirs[s]) for s in set(mine) & set(theirs)):
+            collapses.append(rate)
+    entry: dict = {"grpo_best_rate": best_rate, "collapses_where_grpo_does_not": collapses}
+    if at_best:
+        entry.update(at_grpo_best_minus_grpo=statistics.fmean(at_best),
+                     at_grpo_best_minus_grpo_ci=bootstrap_ci(at_best, resamples), at_grpo_best_seeds=len(at_best))
+    return entry
 
 
 # --- synthetic part --------------------------------------------------------------------------------------------------
@@ -263,9 +293,14 @@ def cell_table(summary: dict, rates: list[float]) -> str:
                          f" · {cell['collapse_fraction']:.0%}"
                          f" · f {cell['factor_range'][0]:.2f}–{cell['factor_range'][1]:.2f}"
                          f" (n={len(cell['seeds'])})")
-        rows.append([method, *cells, regret, vs])
+        at_best = (f"{entry['at_grpo_best_minus_grpo']:+.3f} [{entry['at_grpo_best_minus_grpo_ci'][0]:+.3f}, "
+                   f"{entry['at_grpo_best_minus_grpo_ci'][1]:+.3f}]" if "at_grpo_best_minus_grpo" in entry else "—")
+        extra = (", ".join(f"{r:.3g}" for r in entry["collapses_where_grpo_does_not"]) or "none"
+                 if "collapses_where_grpo_does_not" in entry else "—")
+        rows.append([method, *cells, regret, vs, at_best, extra])
     return markdown_table(["method", *[f"lr {r:.3g}: final [CI] · collapsed · factor" for r in rates],
-                           "regret [CI]", "regret − grpo [CI]"], rows)
+                           "regret [CI]", "regret − grpo [CI]", "at GRPO's best rate − grpo [CI]",
+                           "collapsed where GRPO did not"], rows)
 
 
 def plot(summary_sets: list[tuple[str, dict, list[float]]], resolve_runs: list[dict], output_dir: Path) -> Path:

@@ -141,6 +141,30 @@ def test_set_reads_numbers_in_any_notation():
     assert isinstance(parsed["learning_rate"], float)
 
 
+def test_stability_summary_tests_a_default_against_grpo_seed_by_seed():
+    """Item 5 of issue 26 as numbers: the paired difference at GRPO's best rate, and the rates where a method
+    collapsed (final below the untrained model) on a seed where GRPO did not; a collapse GRPO shares is not listed."""
+    sys.path.insert(0, str(BENCHMARKS))
+    from stability import grid_summary
+
+    def cell(finals):
+        return [{"seed": seed, "final": final, "auc": final, "initial": 0.3, "factor_min": 1.0, "factor_max": 1.0}
+                for seed, final in enumerate(finals)]
+
+    cells = {"grpo": {1e-4: cell([0.9, 1.0, 0.8]), 3e-4: cell([0.0, 0.9, 0.9]), 1e-5: cell([0.5, 0.5, 0.5])},
+             "rule": {1e-4: cell([1.0, 1.0, 1.0]), 3e-4: cell([0.1, 0.9, 0.8]), 1e-5: cell([0.2, 0.6, 0.6])}}
+    # 3e-5 run on seeds 0-1 only: above 1e-4's mean over all three seeds (0.9), below its mean over seeds 0-1 (0.95);
+    # GRPO's best rate is the best on the seeds run at every rate
+    cells["grpo"][3e-5], cells["rule"][3e-5] = cell([0.93, 0.93]), cell([0.93, 0.93])
+    entry = grid_summary(cells, resamples=200)["methods"]["rule"]
+    assert entry["grpo_best_rate"] == 1e-4
+    assert entry["at_grpo_best_minus_grpo"] == pytest.approx((0.1 + 0.0 + 0.2) / 3)
+    assert entry["at_grpo_best_seeds"] == 3
+    lower, upper = entry["at_grpo_best_minus_grpo_ci"]
+    assert 0.0 <= lower <= entry["at_grpo_best_minus_grpo"] <= upper <= 0.2 + 1e-6  # a bootstrap of 3 seeds, float32
+    assert entry["collapses_where_grpo_does_not"] == [1e-5]  # seed 0 at 3e-4 collapsed under GRPO as well
+
+
 def test_stability_smoke(saved_tiny_model, tmp_path):
     """Both parts at a tiny size: the cells, the regret paired with grpo, and a resumed grid that repeats no run."""
     run("stability.py", "--part", "synthetic", "--methods", "grpo", "oblrpo", "--test_seeds", "3", "--steps", "4",
