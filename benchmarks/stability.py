@@ -150,6 +150,9 @@ def grid_summary(cells: dict[str, dict[float, list[dict]]], resamples: int) -> d
         return {seed: statistics.fmean(v) for seed, v in by_seed.items() if len(v) == len(grid)}
 
     reference = regrets(REFERENCE) if REFERENCE in cells else {}
+    if REFERENCE in cells:  # on the seeds GRPO ran at every rate: a cell must not win or lose by extra seeds
+        grpo_best_rate = max(cells[REFERENCE], key=lambda rate: statistics.fmean(
+            r["final"] for r in cells[REFERENCE][rate] if r["seed"] in reference or not reference))
     summary = {}
     for method, rates in cells.items():
         entry = {"by_lr": {}}
@@ -160,7 +163,7 @@ def grid_summary(cells: dict[str, dict[float, list[dict]]], resamples: int) -> d
             entry["by_lr"][f"{rate:.3g}"] = {
                 "final_acc_mean": statistics.fmean(finals), "final_acc_ci": bootstrap_ci(finals, resamples),
                 "auc_mean": statistics.fmean(aucs), "auc_ci": bootstrap_ci(aucs, resamples),
-                "collapse_fraction": statistics.fmean(r["final"] < r["initial"] for r in runs),
+                "collapse_fraction": statistics.fmean(collapsed(r) for r in runs),
                 "seeds": [r["seed"] for r in runs],
                 "factor_range": [min(r["factor_min"] for r in runs), max(r["factor_max"] for r in runs)],
             }
@@ -173,32 +176,28 @@ def grid_summary(cells: dict[str, dict[float, list[dict]]], resamples: int) -> d
             diff = [own[s] - reference[s] for s in paired]
             entry.update(regret_minus_grpo=statistics.fmean(diff), regret_minus_grpo_ci=bootstrap_ci(diff, resamples))
         if method != REFERENCE and REFERENCE in cells:
-            entry.update(against_grpo(rates, cells[REFERENCE], resamples))
+            entry.update(against_grpo(rates, cells[REFERENCE], grpo_best_rate, resamples))
         summary[method] = entry
     return {"best_cell_final": best, "methods": summary}
 
 
-def against_grpo(own: dict[float, list[dict]], reference: dict[float, list[dict]], resamples: int) -> dict:
+def collapsed(run: dict) -> bool:
+    """The run ended below the untrained model."""
+    return run["final"] < run["initial"]
+
+
+def against_grpo(own: dict[float, list[dict]], reference: dict[float, list[dict]], best_rate: float,
+                 resamples: int) -> dict:
     """The other two tests of a default (issue 26, item 5), paired by seed with `grpo`: the final accuracy at GRPO's
     best rate minus GRPO's there (``at_grpo_best_minus_grpo`` and its interval), and the rates at which this method
     collapsed on a seed where GRPO did not (``collapses_where_grpo_does_not``)."""
-    def by_seed(runs: list[dict]) -> dict[int, dict]:
-        return {r["seed"]: r for r in runs}
+    def paired(rate: float) -> list[tuple[dict, dict]]:
+        theirs = {r["seed"]: r for r in reference.get(rate, [])}
+        return [(r, theirs[r["seed"]]) for r in own.get(rate, []) if r["seed"] in theirs]
 
-    def collapsed(run: dict) -> bool:
-        return run["final"] < run["initial"]
-
-    # GRPO's best rate on the seeds it ran at every rate: a cell with more seeds must not win or lose by its extra ones
-    everywhere = set.intersection(*({r["seed"] for r in runs} for runs in reference.values()))
-    best_rate = max(reference, key=lambda rate: statistics.fmean(
-        r["final"] for r in reference[rate] if r["seed"] in everywhere or not everywhere))
-    mine, theirs = by_seed(own.get(best_rate, [])), by_seed(reference[best_rate])
-    at_best = [mine[s]["final"] - theirs[s]["final"] for s in sorted(set(mine) & set(theirs))]
-    collapses = []
-    for rate in sorted(set(own) & set(reference)):
-        mine, theirs = by_seed(own[rate]), by_seed(reference[rate])
-        if any(collapsed(mine[s]) and not collapsed(theirs[s]) for s in set(mine) & set(theirs)):
-            collapses.append(rate)
+    at_best = [mine["final"] - grpo["final"] for mine, grpo in paired(best_rate)]
+    collapses = [rate for rate in sorted(own)
+                 if any(collapsed(mine) and not collapsed(grpo) for mine, grpo in paired(rate))]
     entry: dict = {"grpo_best_rate": best_rate, "collapses_where_grpo_does_not": collapses}
     if at_best:
         entry.update(at_grpo_best_minus_grpo=statistics.fmean(at_best),
@@ -482,7 +481,7 @@ def write_summary(args) -> None:
             rates_used = plot_rates_used(runs, output_dir)
             if rates_used is not None:
                 markdown += [f"![the rate each step used, per configured rate]({rates_used.name})\n"]
-        superseded = cached_runs(runs_dir / SUPERSEDED) if (runs_dir / SUPERSEDED).exists() else []
+        superseded = cached_runs(runs_dir / SUPERSEDED)  # none where the folder is not
         if superseded:
             results["trust_region_v1"] = [{key: r[key] for key in ("method", "seed", "learning_rate", "accuracy")}
                                           for r in superseded]
