@@ -174,9 +174,13 @@ def parse_overrides(items: list[str]) -> dict:
 
 
 def child_main(run_child, child_spec: str) -> int:
+    from accelerate import PartialState
+
     result = run_child(json.loads(child_spec))
     if os.environ.get("RANK", "0") == "0":  # one RESULT line from a multi-process launch
         print("RESULT " + json.dumps(result))
+    # left to interpreter exit, gloo's worker threads can outlive Python and abort a launch that succeeded
+    PartialState().destroy_process_group()
     return 0
 
 

@@ -405,6 +405,16 @@ def train(argv: list[str]) -> int:
     trainer.recipe = recipe
     trainer.base_model_id = models.model_card_id(model_name)
     dataset_id, trainer.dataset_description = task_source(task_args.task, task_args.options())
+    try:
+        return _train_and_publish(trainer, argv, training_args, task_args, dataset_id)
+    finally:
+        # left to interpreter exit, gloo's worker threads can outlive Python and abort a launch that succeeded
+        # (SIGABRT after the last step); accelerate's end of training destroys the process group while Python is whole
+        trainer.accelerator.end_training()
+
+
+def _train_and_publish(trainer, argv: list[str], training_args, task_args, dataset_id: str | None) -> int:
+    """Train, then save, plot, card and push on the processes that should; the exit code."""
     from .guards import TrainingPreempted
 
     try:

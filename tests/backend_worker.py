@@ -93,6 +93,7 @@ def main(out: str) -> None:
                 "params_finite": bool(final.isfinite().all()),
                 "log_history": trainer.state.log_history,
             }, f)
+    trainer.accelerator.end_training()  # the process group destroyed while Python is whole, not at its exit
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 import trl.trainer.grpo_trainer as grpo_trainer  # noqa: E402
+from accelerate import PartialState  # noqa: E402
 from datasets import Dataset  # noqa: E402
 
 from oblr_trl import OBLRPOConfig, OBLRPOTrainer  # noqa: E402
@@ -148,6 +149,8 @@ def main():
             result.pop("is_main_process")
         with open(args.output, "w") as f:
             json.dump(results, f)
+    # left to interpreter exit, gloo's worker threads can outlive Python and abort the process (SIGABRT, seen in CI)
+    PartialState().destroy_process_group()
 
 
 if __name__ == "__main__":

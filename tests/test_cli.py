@@ -117,6 +117,23 @@ def test_train_eval_plot_end_to_end(tmp_path, saved_tiny_model, capsys, monkeypa
     assert (tmp_path / "curves.png").exists()
 
 
+def test_train_destroys_the_process_group_before_it_returns(tmp_path, saved_tiny_model):
+    """Left to interpreter exit, gloo's worker threads can outlive Python and abort a launch whose training succeeded
+    (SIGABRT, exit -6, seen once in CI): `train` ends accelerate's training, which destroys the group. A world of one
+    process stands for the launch."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        assert main(["train", "--model_name_or_path", str(saved_tiny_model), "--output_dir", str(tmp_path / "run"),
+                     "--max_steps", "1", "--per_device_train_batch_size", "4", "--num_generations", "4",
+                     "--max_completion_length", "4", "--task_num_problems", "8", "--plot", "false"]) == 0
+        assert not dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def test_model_card_of_a_local_model_on_a_hub_dataset():
     from oblr_trl.model_card import ModelCardFacts, model_card_text
 
