@@ -120,11 +120,14 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def problem_splits(max_operand: int, eval_problems: int, seed: int = 0) -> dict[str, list[dict[str, str]]]:
-    """Every "a ± b" with operands 0…max_operand, shuffled once and cut into disjoint test, validation and train sets."""
+def problem_splits(max_operand: int, eval_problems: int, seed: int = 0,
+                   operators: str = "+-") -> dict[str, list[dict[str, str]]]:
+    """Every "a op b" with operands 0…max_operand and op in ``operators`` (the built-in `arithmetic` task's form),
+    shuffled once and cut into disjoint test, validation and train sets."""
+    values = {"+": int.__add__, "-": int.__sub__, "*": int.__mul__}
     problems = [
-        {"question": f"{a} {op} {b}", "answer": str(a + b if op == "+" else a - b)}
-        for a in range(max_operand + 1) for b in range(max_operand + 1) for op in "+-"
+        {"question": f"{a} {op} {b}", "answer": str(values[op](a, b))}
+        for a in range(max_operand + 1) for b in range(max_operand + 1) for op in operators
     ]
     random.Random(seed).shuffle(problems)
     if len(problems) < 3 * eval_problems:

@@ -24,12 +24,16 @@ Three parts, each resumable and each writing into the one summary:
   so the grid can be completed across sessions: ``--methods``/``--rates``/``--seeds`` pick a part of it).
 * ``delta`` — the per-step KL of the defaults at the best rate on validation seeds and the validation split, from
   which δ is chosen.
+* ``transfer`` — δ, unchanged, on a second task: the built-in `arithmetic` task's products a × b, at GRPO's best rate
+  on a ± b and 10× it, 3 paired seeds, GRPO against OBLR-PO with the cap and the defaults (runs under
+  `results/stability/runs/transfer-multiplication/`).
 * ``resolve`` — one longer SmolLM2 configuration with more prompts a step, in which the calibration of the SNR
   factor resolves, so the factor is seen acting on a real model (its trajectory is plotted).
 
     python benchmarks/stability.py --part synthetic      # 48 cells of 100 seeds (33 min on 2 busy cores)
     python benchmarks/stability.py --part smollm2        # 175 runs (7 min each on 2 idle cores), 2 at a time; resumes
     python benchmarks/stability.py --part delta          # 2 validation runs that choose δ
+    python benchmarks/stability.py --part transfer       # 18 runs on a × b and the untrained model; resumes
     python benchmarks/stability.py --part resolve        # 3 longer runs (16 completions × 60 steps); resumes
     python benchmarks/stability.py --part summary        # rewrite the summary from what has been run
 """
@@ -102,6 +106,14 @@ for _form in ("cap", "target"):
 SMOLLM2 = {"methods": [REFERENCE, "oblrpo", "oblrpo-paper", "grpo-trust-cap", "grpo-trust-target", "oblrpo-trust-cap",
                        "oblrpo-trust-target"],
            "rates": [1e-5, 3e-5, 1e-4, 3e-4, 1e-3], "seeds": [0, 1, 2, 3, 4], "steps": 40, "jobs": 2}
+# the problems of the grid, and those δ is carried to unchanged (issue 26, item 4): the built-in `arithmetic` task's
+# products, with operands up to 24 so that 200 test, 200 validation and 225 training problems stay disjoint. GRPO's
+# best rate there is taken from a ± b (1e-4) rather than swept; its runs at both rates say whether that held
+A_PLUS_MINUS_B = {"operators": "+-", "max_operand": learning.PRESETS["cpu"]["max_operand"], "data": "data",
+                  "title": "a ± b"}
+TRANSFER = {"problems": {"operators": "*", "max_operand": 24, "data": "data-multiplication", "title": "a × b"},
+            "methods": [REFERENCE, "oblrpo-trust-cap", "oblrpo"], "rates": [1e-4, 1e-3], "seeds": [0, 1, 2],
+            "steps": 40, "runs": "transfer-multiplication"}
 # more prompts a step and a longer run, so that the calibration window resolves
 RESOLVE = {"rate": 3e-5, "seed": 0, "steps": 60, "config": {"per_device_train_batch_size": 16, "num_generations": 4},
            "methods": ["oblrpo", "grpo", "oblrpo-two-sided"]}
@@ -110,7 +122,8 @@ RESOLVE = {"rate": 3e-5, "seed": 0, "steps": 60, "config": {"per_device_train_ba
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", choices=["synthetic", "smollm2", "resolve", "delta", "summary"], default="summary")
+    parser.add_argument("--part", choices=["synthetic", "smollm2", "resolve", "delta", "transfer", "summary"],
+                        default="summary")
     parser.add_argument("--methods", nargs="+", default=None,
                         help="methods of the part (default: all of the synthetic ones; on SmolLM2 GRPO, the "
                         "defaults, the paper-literal factor and both trust-region forms on GRPO and OBLR-PO)")
@@ -242,9 +255,9 @@ def run_synthetic(args) -> dict:
 
 
 # --- SmolLM2 parts ---------------------------------------------------------------------------------------------------
-def smollm2_specs(args, methods, rates, seeds, steps, extra_config=None, tag="", split="test"):
-    paths = learning.write_splits(learning.problem_splits(learning.PRESETS["cpu"]["max_operand"], args.eval_problems),
-                                  Path(args.output_dir) / "data")
+def smollm2_specs(args, methods, rates, seeds, steps, extra_config=None, tag="", split="test", problems=A_PLUS_MINUS_B):
+    splits = learning.problem_splits(problems["max_operand"], args.eval_problems, operators=problems["operators"])
+    paths = learning.write_splits(splits, Path(args.output_dir) / problems["data"])
     base = {"model": args.model, "steps": steps, "train": paths["train"],
             "threads": max(1, (os.cpu_count() or 1) // args.jobs),
             "eval_max_new_tokens": learning.PRESETS["cpu"]["eval_max_new_tokens"], "split": split,
@@ -274,6 +287,18 @@ def smollm2_cells(runs: list[dict], initial_accuracy: float) -> dict:
 
 def cached_runs(folder: Path) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted(folder.glob("test-*.json"))]
+
+
+def smollm2_grid(runs: list[dict], resamples: int) -> tuple[dict, dict] | None:
+    """The grid's summary (`grid_summary`) and what it was measured on, from one folder's test runs; None before the
+    untrained model and a first grid run are there."""
+    initial = next((r for r in runs if r["method"] == "initial"), None)
+    grid = [r for r in runs if r["method"] in SMOLLM2_METHODS]
+    if not grid or initial is None:
+        return None
+    details = {"initial_accuracy": initial["accuracy"], "rates": sorted({r["learning_rate"] for r in grid}),
+               "steps": len(grid[0]["reward"]), "schedule": TRL_SCHEDULE}
+    return grid_summary(smollm2_cells(grid, initial["accuracy"]), resamples), details
 
 
 # --- report ----------------------------------------------------------------------------------------------------------
@@ -410,24 +435,32 @@ def write_summary(args) -> None:
     runs_dir = output_dir / "runs"
     synthetic_path = output_dir / "synthetic_cells.json"
     results, sets, markdown = {}, [], ["# Stability over the configured learning rate\n", "![summary](summary.png)\n"]
-    runs = cached_runs(runs_dir) if runs_dir.exists() else []
-    initial = next((r for r in runs if r["method"] == "initial"), None)
-    grid = [r for r in runs if r["method"] in SMOLLM2_METHODS]
+    runs = cached_runs(runs_dir)  # none where the folder is not
     resolve_runs = sorted((r for r in runs if r["method"].endswith(resolve_tag())),
                           key=lambda r: (r["learning_rate"], r["method"]))
-    if grid and initial:
-        rates = sorted({r["learning_rate"] for r in grid})
-        summary = grid_summary(smollm2_cells(grid, initial["accuracy"]), args.bootstrap)
-        results.update(summary, smollm2={"initial_accuracy": initial["accuracy"], "rates": rates,
-                                         "steps": len(grid[0]["reward"]),
-                                         "schedule": TRL_SCHEDULE})
-        sets.append(("SmolLM2-135M, a ± b", summary, rates))
-        markdown += [f"## SmolLM2-135M-Instruct (a ± b, {len(grid[0]['reward'])} steps of 8 completions, TRL's "
-                     f"linear schedule; untrained test accuracy {initial['accuracy']:.3f})\n",
+    grid = smollm2_grid(runs, args.bootstrap)
+    if grid is not None:
+        summary, details = grid
+        results.update(summary, smollm2=details)
+        sets.append((f"SmolLM2-135M, {A_PLUS_MINUS_B['title']}", summary, details["rates"]))
+        markdown += [f"## SmolLM2-135M-Instruct ({A_PLUS_MINUS_B['title']}, {details['steps']} steps of 8 completions, "
+                     f"TRL's linear schedule; untrained test accuracy {details['initial_accuracy']:.3f})\n",
                      "Cell: final test accuracy [95 % CI] · collapsed fraction (final < untrained) · realised SNR "
                      "factor range (n = seeds). Regret: best cell mean final minus this method's final, averaged over "
                      "the rates, per seed; difference paired with `grpo` (bootstrap over seeds).\n",
-                     cell_table(summary, rates), ""]
+                     cell_table(summary, details["rates"]), ""]
+    transfer = smollm2_grid(cached_runs(runs_dir / TRANSFER["runs"]), args.bootstrap)
+    if transfer is not None:
+        summary, details = transfer
+        title = TRANSFER["problems"]["title"]
+        results["transfer"] = {**summary, **details, "task": TRANSFER["problems"], "trust_region_kl": TRUST_REGION_KL}
+        sets.append((f"SmolLM2-135M, {title}: δ = {TRUST_REGION_KL:g} carried over", summary, details["rates"]))
+        markdown += [f"## Transfer: δ = {TRUST_REGION_KL:g}, chosen on {A_PLUS_MINUS_B['title']}, unchanged on {title} "
+                     f"(operands 0…{TRANSFER['problems']['max_operand']}, {details['steps']} steps, untrained test "
+                     f"accuracy {details['initial_accuracy']:.3f}; runs in `runs/{TRANSFER['runs']}/`)\n",
+                     f"GRPO's best rate on {A_PLUS_MINUS_B['title']} and 10× it; cells and regret as above, the regret "
+                     "over these rates only.\n",
+                     cell_table(summary, details["rates"]), ""]
     if resolve_runs:
         results["resolve"] = [{key: r[key] for key in ("method", "seed", "learning_rate", "accuracy")}
                               | {"auc": learning.auc(r), "lr_factor": r["traces"]["snr/lr_factor"],
@@ -527,19 +560,25 @@ def main(argv=None) -> int:
                     data[key] = {**earlier[key], **data[key]}
         output_dir.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(data))
-    elif args.part in ("smollm2", "resolve", "delta"):
+    elif args.part in ("smollm2", "resolve", "delta", "transfer"):
+        folder = runs_dir
         if args.part == "smollm2":
             specs, initial = smollm2_specs(args, args.methods or SMOLLM2["methods"], args.rates or SMOLLM2["rates"],
                                            args.seeds or SMOLLM2["seeds"], args.steps or SMOLLM2["steps"])
         elif args.part == "delta":
             specs, initial = smollm2_specs(args, [DELTA["method"]], args.rates or [DELTA["rate"]],
                                            args.seeds or DELTA["seeds"], args.steps or DELTA["steps"], split="validation")
+        elif args.part == "transfer":  # its own folder: the untrained model and the cells are another task's
+            specs, initial = smollm2_specs(args, args.methods or TRANSFER["methods"], args.rates or TRANSFER["rates"],
+                                           args.seeds or TRANSFER["seeds"], args.steps or TRANSFER["steps"],
+                                           problems=TRANSFER["problems"])
+            folder = runs_dir / TRANSFER["runs"]
         else:
             specs, initial = smollm2_specs(args, args.methods or RESOLVE["methods"], args.rates or [RESOLVE["rate"]],
                                            args.seeds or [RESOLVE["seed"]], args.steps or RESOLVE["steps"],
                                            RESOLVE["config"], resolve_tag())
         # each run is a `learning.py --child`; the untrained model's accuracy beside the first runs
-        learning.run_all([initial, *specs], runs_dir, f"{args.part} runs", args.jobs)
+        learning.run_all([initial, *specs], folder, f"{args.part} runs", args.jobs)
     write_summary(args)
     return 0
 

@@ -206,6 +206,17 @@ def test_stability_smoke(saved_tiny_model, tmp_path):
     assert (tmp_path / "rates_used.png").exists()
     trust_run = json.loads((tmp_path / "runs" / "test-oblrpo-trust-cap-lr0.0001-seed1.json").read_text())
     assert trust_run["traces"]["learning_rate"] == [1e-4, 1e-4]  # --set reached the config: TRL's linear would decay
+    grid_before = json.loads((tmp_path / "summary.json").read_text())["methods"]
+    out = run("stability.py", "--part", "transfer", "--methods", "grpo", "oblrpo-trust-cap", *tiny, "--seeds", "0")
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    transfer = summary["transfer"]
+    assert transfer["task"]["operators"] == "*" and set(transfer["methods"]) == {"grpo", "oblrpo-trust-cap"}
+    assert transfer["methods"]["oblrpo-trust-cap"]["by_lr"]["0.0001"]["seeds"] == [0]
+    assert summary["methods"] == grid_before  # another task's runs stay out of the a ± b grid
+    questions = [json.loads(line)["question"] for line in (tmp_path / "data-multiplication" / "test.jsonl").open()]
+    assert len(questions) == 4 and all(" * " in q for q in questions)
+    assert len(list((tmp_path / "runs" / "transfer-multiplication").glob("test-*.json"))) == 1 + 2
+    assert "## Transfer: δ = 0.4" in out
 
 
 def test_results_record_the_load_average_and_warn_above_the_cores(tmp_path, monkeypatch, capsys):
