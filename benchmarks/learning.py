@@ -158,6 +158,7 @@ def run_child(spec: dict) -> dict:
 
     from oblr_trl.evaluation import generate_completions, grade
     from oblr_trl.models import resolve_model
+    from oblr_trl.rewards import GRADER_VERSION
 
     held_out = load_split(spec["held_out"])
     output_dir = Path(spec["scratch"]) / run_key(spec)
@@ -178,7 +179,11 @@ def run_child(spec: dict) -> dict:
     completions = generate_completions(model, tokenizer, list(held_out["prompt"]),
                                        max_new_tokens=spec["eval_max_new_tokens"], progress=False)
     result = {key: spec[key] for key in ("method", "seed", "learning_rate", "split")}
-    result.update(accuracy=grade(held_out, completions)[1], seconds=time.perf_counter() - start)
+    samples, accuracy, _ = grade(held_out, completions)
+    # a few graded completions with every run, so that what the accuracy rewards can be read, not only its value
+    result.update(accuracy=accuracy, seconds=time.perf_counter() - start, grader=GRADER_VERSION,
+                  samples=[{key: s[key] for key in ("question", "answer", "completions", "correct")}
+                           for s in samples[:8]])
     if spec["method"] != "initial":
         logs = [h for h in trainer.state.log_history if "loss" in h]
         result["reward"] = [h["reward"] for h in logs]
@@ -191,11 +196,18 @@ def run_key(spec: dict) -> str:
     return f"{spec['split']}-{spec['method']}-lr{spec['learning_rate']:.3g}-seed{spec['seed']}"
 
 
+def graded_now(path: Path) -> bool:
+    """A cached run whose accuracy the current grader gave (runs before `GRADER_VERSION` 2 carry no version)."""
+    from oblr_trl.rewards import GRADER_VERSION
+
+    return path.exists() and json.loads(path.read_text()).get("grader", 1) == GRADER_VERSION
+
+
 def run_all(specs: list[dict], folder: Path, description: str, jobs: int) -> list[dict]:
     """Each spec's result, from ``folder`` where an earlier invocation left it, else from a fresh run."""
     folder.mkdir(parents=True, exist_ok=True)
     cached = {run_key(s): folder / f"{run_key(s)}.json" for s in specs}
-    todo = [s for s in specs if not cached[run_key(s)].exists()]
+    todo = [s for s in specs if not graded_now(cached[run_key(s)])]
     run_in_subprocesses(__file__, todo, description, jobs=jobs,
                         on_result=lambda spec, result: cached[run_key(spec)].write_text(json.dumps(result)))
     return [json.loads(cached[run_key(s)].read_text()) for s in specs]

@@ -286,7 +286,22 @@ def smollm2_cells(runs: list[dict], initial_accuracy: float) -> dict:
 
 
 def cached_runs(folder: Path) -> list[dict]:
-    return [json.loads(p.read_text()) for p in sorted(folder.glob("test-*.json"))]
+    """A folder's test runs of one grader, never a mix: the current grader's where it has any, else the older ones
+    (which `grader_warning` then marks in the summary)."""
+    from oblr_trl.rewards import GRADER_VERSION
+
+    runs = [json.loads(p.read_text()) for p in sorted(folder.glob("test-*.json"))]
+    return [r for r in runs if r.get("grader", 1) == GRADER_VERSION] or runs
+
+
+def grader_warning(runs: list[dict]) -> str:
+    """A line for the summary where the runs were graded before `GRADER_VERSION` 2 (else empty)."""
+    if not runs or runs[0].get("grader", 1) >= 2:
+        return ""
+    return ("**Graded by math-verify alone (before 2026-11-25), which credited an unevaluated expression: policies "
+            "trained on a × b restated the question (\"19 * 20 is a legendary and iconic Japanese martial arts film "
+            "franchise\", graded correct), so these accuracies do not measure arithmetic. Re-run to grade them as "
+            "now.**\n")
 
 
 def smollm2_grid(runs: list[dict], resamples: int) -> tuple[dict, dict] | None:
@@ -441,23 +456,27 @@ def write_summary(args) -> None:
     grid = smollm2_grid(runs, args.bootstrap)
     if grid is not None:
         summary, details = grid
-        results.update(summary, smollm2=details)
+        results.update(summary, smollm2={**details, "grader": runs[0].get("grader", 1)})
         sets.append((f"SmolLM2-135M, {A_PLUS_MINUS_B['title']}", summary, details["rates"]))
         markdown += [f"## SmolLM2-135M-Instruct ({A_PLUS_MINUS_B['title']}, {details['steps']} steps of 8 completions, "
                      f"TRL's linear schedule; untrained test accuracy {details['initial_accuracy']:.3f})\n",
+                     grader_warning(runs),
                      "Cell: final test accuracy [95 % CI] · collapsed fraction (final < untrained) · realised SNR "
                      "factor range (n = seeds). Regret: best cell mean final minus this method's final, averaged over "
                      "the rates, per seed; difference paired with `grpo` (bootstrap over seeds).\n",
                      cell_table(summary, details["rates"]), ""]
-    transfer = smollm2_grid(cached_runs(runs_dir / TRANSFER["runs"]), args.bootstrap)
+    transfer_runs = cached_runs(runs_dir / TRANSFER["runs"])
+    transfer = smollm2_grid(transfer_runs, args.bootstrap)
     if transfer is not None:
         summary, details = transfer
         title = TRANSFER["problems"]["title"]
-        results["transfer"] = {**summary, **details, "task": TRANSFER["problems"], "trust_region_kl": TRUST_REGION_KL}
+        results["transfer"] = {**summary, **details, "task": TRANSFER["problems"], "trust_region_kl": TRUST_REGION_KL,
+                               "grader": transfer_runs[0].get("grader", 1)}
         sets.append((f"SmolLM2-135M, {title}: δ = {TRUST_REGION_KL:g} carried over", summary, details["rates"]))
         markdown += [f"## Transfer: δ = {TRUST_REGION_KL:g}, chosen on {A_PLUS_MINUS_B['title']}, unchanged on {title} "
                      f"(operands 0…{TRANSFER['problems']['max_operand']}, {details['steps']} steps, untrained test "
                      f"accuracy {details['initial_accuracy']:.3f}; runs in `runs/{TRANSFER['runs']}/`)\n",
+                     grader_warning(transfer_runs),
                      f"GRPO's best rate on {A_PLUS_MINUS_B['title']} and 10× it; cells and regret as above, the regret "
                      "over these rates only.\n",
                      cell_table(summary, details["rates"]), ""]

@@ -11,7 +11,14 @@ import re
 import threading
 from collections.abc import Callable
 
-__all__ = ["REWARD_FUNCS", "accuracy_reward", "completion_text", "format_reward", "get_reward_funcs", "is_correct"]
+__all__ = [
+    "GRADER_VERSION", "REWARD_FUNCS", "accuracy_reward", "completion_text", "format_reward", "get_reward_funcs",
+    "is_correct",
+]
+
+# Bumped whenever `is_correct` grades differently: benchmarks record it with every run and never mix versions in a
+# table. 1: math-verify alone (it credited an unevaluated expression); 2: a numeric gold needs a number as written.
+GRADER_VERSION = 2
 
 _BOXED = re.compile(r"\\boxed\s*\{")
 _HASHES = re.compile(r"####\s*(.+)")
@@ -39,11 +46,33 @@ def _final_answer_span(text: str) -> str:
     return marked[-1] if marked else text
 
 
+def _is_written_number(expr) -> bool:
+    """Whether a parsed answer is a number as written — a literal, a fraction of literals or a percentage, either
+    negated — rather than a computation left to the grader, like ``5 * 16`` or ``9 - 4``."""
+    import sympy
+
+    if getattr(expr, "is_Number", False):
+        return True
+    if not isinstance(expr, sympy.Mul):
+        return False
+    literals = [f for f in expr.args if f.is_Number and f != -1]
+    rest = [f for f in expr.args if not f.is_Number]
+    reciprocals = [f for f in rest if isinstance(f, sympy.Pow) and f.base.is_Number and f.exp == -1]
+    percents = [f for f in rest if isinstance(f, sympy.UnevaluatedExpr) and f.args[0] == sympy.Rational(1, 100)]
+    return len(literals) <= 1 and len(reciprocals) <= 1 and len(percents) <= 1 and len(rest) == len(
+        reciprocals
+    ) + len(percents)
+
+
 def is_correct(prediction: str, gold: str) -> bool | None:
     """Whether ``prediction`` states the same answer as ``gold``; ``None`` if ``gold`` itself cannot be parsed.
 
     Both sides go through math-verify (LaTeX incl. ``\\boxed{}``, plain expressions and numbers, units and thousands
-    separators), so ``\\frac{1}{2}``, ``0.5`` and ``1/2`` match, and "$18" matches "18 dollars".
+    separators), so ``\\frac{1}{2}``, ``0.5`` and ``1/2`` match, and "$18" matches "18 dollars". Where the gold is a
+    number, the prediction's answer must be a number too (a literal, a fraction or a percentage): math-verify keeps an
+    expression unevaluated and would credit "5 * 16" for 80, so a policy that restates an arithmetic question earns the
+    full reward — SmolLM2 trained on a × b learned exactly that ("19 * 20 is a legendary and iconic Japanese martial
+    arts film franchise", graded correct).
     """
     from math_verify import parse, verify
 
@@ -60,7 +89,9 @@ def is_correct(prediction: str, gold: str) -> bool | None:
     if not gold_parsed:
         return None
     predicted = parse(_final_answer_span(prediction), parsing_timeout=parsing_timeout)
-    return bool(predicted) and bool(verify(gold_parsed, predicted, timeout_seconds=verify_timeout))
+    if not predicted or (_is_written_number(gold_parsed[0]) and not _is_written_number(predicted[0])):
+        return False
+    return bool(verify(gold_parsed, predicted, timeout_seconds=verify_timeout))
 
 
 def accuracy_reward(completions, answer, **kwargs) -> list[float | None]:

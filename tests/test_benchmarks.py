@@ -165,6 +165,22 @@ def test_stability_summary_tests_a_default_against_grpo_seed_by_seed():
     assert entry["collapses_where_grpo_does_not"] == [1e-5]  # seed 0 at 3e-4 collapsed under GRPO as well
 
 
+def test_stability_tables_never_mix_graders(tmp_path):
+    """Runs graded by the current grader replace older ones in a table; older runs alone are shown, but marked."""
+    sys.path.insert(0, str(BENCHMARKS))
+    from stability import cached_runs, grader_warning
+
+    def write(name, **fields):
+        (tmp_path / f"test-{name}.json").write_text(json.dumps({"method": name, **fields}))
+
+    write("old-a", accuracy=1.0)
+    write("old-b", accuracy=1.0, grader=1)
+    assert {r["method"] for r in cached_runs(tmp_path)} == {"old-a", "old-b"}
+    assert "Graded by math-verify alone" in grader_warning(cached_runs(tmp_path))
+    write("new", accuracy=0.1, grader=2)
+    assert [r["method"] for r in cached_runs(tmp_path)] == ["new"] and grader_warning(cached_runs(tmp_path)) == ""
+
+
 def test_stability_smoke(saved_tiny_model, tmp_path):
     """Both parts at a tiny size: the cells, the regret paired with grpo, and a resumed grid that repeats no run."""
     run("stability.py", "--part", "synthetic", "--methods", "grpo", "oblrpo", "--test_seeds", "3", "--steps", "4",
@@ -189,6 +205,17 @@ def test_stability_smoke(saved_tiny_model, tmp_path):
     assert len(runs_before) == 1 + 2 * 2  # the untrained model, 2 methods × 2 rates
     run("stability.py", *smollm2)
     assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "runs").iterdir()} == runs_before
+    # a run graded before the grader's fix (no version) is run again, not mixed into the grid; the others are kept
+    stale = tmp_path / "runs" / "test-grpo-lr0.001-seed0.json"
+    record = json.loads(stale.read_text())
+    assert record["grader"] == 2 and 1 <= len(record["samples"]) <= 8
+    assert {"question", "answer", "completions", "correct"} <= set(record["samples"][0])
+    del record["grader"]
+    stale.write_text(json.dumps(record))
+    out = run("stability.py", *smollm2)
+    assert json.loads(stale.read_text())["grader"] == 2 and "Graded by math-verify alone" not in out
+    assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "runs").iterdir() if p != stale} == {
+        name: mtime for name, mtime in runs_before.items() if name != stale.name}
     out = run("stability.py", "--part", "resolve", "--model", str(saved_tiny_model), "--methods", "grpo", "oblrpo",
               "--rates", "1e-4", "--steps", "1", "--eval_problems", "4", "--bootstrap", "50",
               "--output_dir", str(tmp_path))

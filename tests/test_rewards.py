@@ -26,6 +26,17 @@ GRADING = [
     ("I do not know.", "5", False),  # no answer
     ("", "5", False),  # empty completion
     ("#### 71", "72", False),
+    # a computation left to the grader is not an answer: math-verify keeps "5 * 16" unevaluated and would equate it
+    # with 80, so a policy trained on arithmetic learned to restate the question (the second case is its output)
+    ("5 * 16", "80", False),
+    ("19 * 20 is a legendary and iconic Japanese martial arts film franchise", "380", False),
+    ("9 - 4 = ", "5", False),
+    ("\\boxed{2^3}", "8", False),
+    ("4 * 16 = 64\n\nI'm ready to help", "64", True),  # the question restated, then answered
+    ("7 - 16 = -9", "-9", True),
+    ("\\boxed{-\\frac{3}{4}}", "-0.75", True),  # fractions, negated or not, and percentages are numbers as written
+    ("-3/4", "-0.75", True),
+    ("It rose by 50%.", "50", True),
 ]
 
 
