@@ -196,11 +196,16 @@ def run_key(spec: dict) -> str:
     return f"{spec['split']}-{spec['method']}-lr{spec['learning_rate']:.3g}-seed{spec['seed']}"
 
 
+def grader_of(run: dict) -> int:
+    """The `GRADER_VERSION` that graded a run's accuracy (runs before version 2 carry none)."""
+    return run.get("grader", 1)
+
+
 def graded_now(path: Path) -> bool:
-    """A cached run whose accuracy the current grader gave (runs before `GRADER_VERSION` 2 carry no version)."""
+    """A cached run whose accuracy the current grader gave."""
     from oblr_trl.rewards import GRADER_VERSION
 
-    return path.exists() and json.loads(path.read_text()).get("grader", 1) == GRADER_VERSION
+    return path.exists() and grader_of(json.loads(path.read_text())) == GRADER_VERSION
 
 
 def run_all(specs: list[dict], folder: Path, description: str, jobs: int) -> list[dict]:

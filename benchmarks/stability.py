@@ -291,12 +291,14 @@ def cached_runs(folder: Path) -> list[dict]:
     from oblr_trl.rewards import GRADER_VERSION
 
     runs = [json.loads(p.read_text()) for p in sorted(folder.glob("test-*.json"))]
-    return [r for r in runs if r.get("grader", 1) == GRADER_VERSION] or runs
+    return [r for r in runs if learning.grader_of(r) == GRADER_VERSION] or runs
 
 
 def grader_warning(runs: list[dict]) -> str:
-    """A line for the summary where the runs were graded before `GRADER_VERSION` 2 (else empty)."""
-    if not runs or runs[0].get("grader", 1) >= 2:
+    """A line for the summary where the runs (of one grader: `cached_runs`) were graded by an older grader."""
+    from oblr_trl.rewards import GRADER_VERSION
+
+    if not runs or learning.grader_of(runs[0]) == GRADER_VERSION:
         return ""
     return ("**Graded by math-verify alone (before 2026-11-25), which credited an unevaluated expression: policies "
             "trained on a × b restated the question (\"19 * 20 is a legendary and iconic Japanese martial arts film "
@@ -456,7 +458,7 @@ def write_summary(args) -> None:
     grid = smollm2_grid(runs, args.bootstrap)
     if grid is not None:
         summary, details = grid
-        results.update(summary, smollm2={**details, "grader": runs[0].get("grader", 1)})
+        results.update(summary, smollm2={**details, "grader": learning.grader_of(runs[0])})
         sets.append((f"SmolLM2-135M, {A_PLUS_MINUS_B['title']}", summary, details["rates"]))
         markdown += [f"## SmolLM2-135M-Instruct ({A_PLUS_MINUS_B['title']}, {details['steps']} steps of 8 completions, "
                      f"TRL's linear schedule; untrained test accuracy {details['initial_accuracy']:.3f})\n",
@@ -471,7 +473,7 @@ def write_summary(args) -> None:
         summary, details = transfer
         title = TRANSFER["problems"]["title"]
         results["transfer"] = {**summary, **details, "task": TRANSFER["problems"], "trust_region_kl": TRUST_REGION_KL,
-                               "grader": transfer_runs[0].get("grader", 1)}
+                               "grader": learning.grader_of(transfer_runs[0])}
         sets.append((f"SmolLM2-135M, {title}: δ = {TRUST_REGION_KL:g} carried over", summary, details["rates"]))
         markdown += [f"## Transfer: δ = {TRUST_REGION_KL:g}, chosen on {A_PLUS_MINUS_B['title']}, unchanged on {title} "
                      f"(operands 0…{TRANSFER['problems']['max_operand']}, {details['steps']} steps, untrained test "
