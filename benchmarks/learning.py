@@ -178,7 +178,8 @@ def run_child(spec: dict) -> dict:
     model.eval()
     completions = generate_completions(model, tokenizer, list(held_out["prompt"]),
                                        max_new_tokens=spec["eval_max_new_tokens"], progress=False)
-    result = {key: spec[key] for key in ("method", "seed", "learning_rate", "split")}
+    result = {key: spec[key] for key in ("method", "seed", "learning_rate", "split", "problems", "overrides")
+              if key in spec}
     samples, accuracy, _ = grade(held_out, completions)
     # a few graded completions with every run, so that what the accuracy rewards can be read, not only its value
     result.update(accuracy=accuracy, seconds=time.perf_counter() - start, grader=GRADER_VERSION,

@@ -8,7 +8,7 @@ what it saves at the high end; the synthetic grid goes from the best rate up to 
 
 Per cell (method × configured rate), over paired seeds (same initialisation, prompts and order for every method):
 final held-out accuracy with a bootstrap 95 % interval, AUC, the fraction of seeds that **collapsed** (final held-out
-accuracy below the untrained model's), and the range of the realised SNR factor. Per method, the **regret**: the
+accuracy more than `COLLAPSE_MARGIN` below the untrained model's), and the range of the realised SNR factor. Per method, the **regret**: the
 best mean final accuracy of any method at any rate minus this method's final accuracy, averaged over the grid's rates
 (per seed, so it can be paired), and its paired difference with `grpo`, bootstrapped over seeds. A rule with lower
 regret than GRPO loses less when the rate is wrong.
@@ -18,7 +18,9 @@ Three parts, each resumable and each writing into the one summary:
 * ``synthetic`` — the testbed of `synthetic_learning.py` (exact gradients, 100 paired seeds, the trainer's own pure
   functions), every method under both schedules (`constant`, and TRL's `linear`), rates 0.1 (GRPO's best) … 3.
 * ``smollm2`` — SmolLM2-135M-Instruct on a ± b (the splits and runner of `learning.py`), TRL's default schedule,
-  rates 1e-5 … 1e-3 around 1e-4 (GRPO's best in the learning benchmark), paired seeds 0…4; GRPO, the defaults, the
+  rates 1e-5 … 1e-3 around 1e-4 (GRPO's best in the learning benchmark), paired seeds 0…4; or, with
+  ``--problems a+b``, on sums of operands 0…14, which the model learns within the budget under the fixed grader
+  (GRPO's best rate 1e-5, the grid 1e-6 … 1e-4; give it its own ``--output_dir``); GRPO, the defaults, the
   paper-literal factor, and the trust region of the step (`lr_trust_region_kl`, δ chosen by ``delta``) in both forms
   on GRPO's advantages and on OBLR-PO's. Each run is a fresh process kept under `results/stability/runs/` (committed,
   so the grid can be completed across sessions: ``--methods``/``--rates``/``--seeds`` pick a part of it).
@@ -32,6 +34,7 @@ Three parts, each resumable and each writing into the one summary:
 
     python benchmarks/stability.py --part synthetic      # 48 cells of 100 seeds (33 min on 2 busy cores)
     python benchmarks/stability.py --part smollm2        # 175 runs (7 min each on 2 idle cores), 2 at a time; resumes
+    python benchmarks/stability.py --part smollm2 --problems a+b --output_dir benchmarks/results/stability-sums
     python benchmarks/stability.py --part delta          # 2 validation runs that choose δ
     python benchmarks/stability.py --part transfer       # 18 runs on a × b and the untrained model; resumes
     python benchmarks/stability.py --part resolve        # 3 longer runs (16 completions × 60 steps); resumes
@@ -87,31 +90,45 @@ SMOLLM2_METHODS = {  # name -> (OBLRPOConfig overrides, None for TRL's GRPOTrain
                      TRL_SCHEDULE),
     "oblrpo-kl": ({"log_step_kl": True}, TRL_SCHEDULE),  # the defaults, measuring each step's KL (choosing δ)
 }
-# δ of the trust region, chosen on validation seeds only (--part delta: the defaults at the best rate, 1e-4, on seeds 10
-# and 11 and the validation split). Their per-step KL spans 8 decades (4.1 nats a token at step 1, 1e-10 once every
-# group scores alike); the 90th percentile, 0.42, rounded: the largest steps the best rate takes while it learns, so
-# the cap leaves the best rate's learning alone and holds a larger rate to it
-TRUST_REGION_KL = 0.4
-DELTA = {"method": "oblrpo-kl", "rate": 1e-4, "seeds": [10, 11], "steps": 40}
+# δ of the trust region is chosen per problem set on validation seeds only (--part delta: the defaults at GRPO's best
+# rate on seeds 10 and 11 and the validation split): the 90th percentile of their per-step KL, rounded — the largest
+# steps the best rate takes while it learns, so that the cap leaves the best rate's learning alone and holds a larger
+# rate to it. The trust-region methods below carry a placeholder that `smollm2_specs` replaces with the problems' δ
+DELTA = {"method": "oblrpo-kl", "seeds": [10, 11], "steps": 40}
+PROBLEMS_DELTA = math.nan  # not a valid δ: a trust-region run that missed the replacement fails validation
 # GRPO's advantage from OBLR-PO's pieces: the whole-group mean with std scaling, no SNR factor
 GRPO_AS_OBLRPO = {"baseline_weights": "uniform", "baseline_estimator": "weighted", "leave_one_out": False,
                   "use_snr_lr": False}
 for _form in ("cap", "target"):
     SMOLLM2_METHODS[f"oblrpo-trust-{_form}"] = (
-        {"lr_trust_region_kl": TRUST_REGION_KL, "lr_trust_region_mode": _form}, TRL_SCHEDULE)
+        {"lr_trust_region_kl": PROBLEMS_DELTA, "lr_trust_region_mode": _form}, TRL_SCHEDULE)
     SMOLLM2_METHODS[f"grpo-trust-{_form}"] = (
-        {**GRPO_AS_OBLRPO, "lr_trust_region_kl": TRUST_REGION_KL, "lr_trust_region_mode": _form}, TRL_SCHEDULE)
-# the symmetric grid of issue 26: GRPO's best rate (1e-4) ÷10 … ×10, so that a rule which only shrinks the rate loses
-# at the low end what it saves at the high end
+        {**GRPO_AS_OBLRPO, "lr_trust_region_kl": PROBLEMS_DELTA, "lr_trust_region_mode": _form}, TRL_SCHEDULE)
+# the grid of each problem set (below) is the symmetric one of issue 26: GRPO's best rate ÷10 … ×10, so that a rule
+# which only shrinks the rate loses at the low end what it saves at the high end; runs at other rates are reported
+# beside it, outside the regret
 SMOLLM2 = {"methods": [REFERENCE, "oblrpo", "oblrpo-paper", "grpo-trust-cap", "grpo-trust-target", "oblrpo-trust-cap",
                        "oblrpo-trust-target"],
-           "rates": [1e-5, 3e-5, 1e-4, 3e-4, 1e-3], "seeds": [0, 1, 2, 3, 4], "steps": 40, "jobs": 2}
+           "seeds": [0, 1, 2, 3, 4], "steps": 40, "jobs": 2}
 # the problems of the grid, and those δ is carried to unchanged (issue 26, item 4): the built-in `arithmetic` task's
 # products, with operands up to 24 so that 200 test, 200 validation and 225 training problems stay disjoint. GRPO's
 # best rate there is taken from a ± b (1e-4) rather than swept; its runs at both rates say whether that held
+# a ± b: GRPO's best rate 1e-4 (the learning benchmark), δ = 0.4 (validation seeds 10, 11: per-step KL spanning 8
+# decades, 4.1 nats a token at step 1 and 1e-10 once every group scores alike; 90th percentile 0.42), both measured
+# under the grader before 2026-11-25
 A_PLUS_MINUS_B = {"operators": "+-", "max_operand": learning.PRESETS["cpu"]["max_operand"], "data": "data",
-                  "title": "a ± b"}
-TRANSFER = {"problems": {"operators": "*", "max_operand": 24, "data": "data-multiplication", "title": "a × b"},
+                  "title": "a ± b", "eval_problems": 200, "best_rate": 1e-4, "trust_region_kl": 0.4,
+                  "grid": [1e-5, 3e-5, 1e-4, 3e-4, 1e-3]}
+# sums of operands 0…14, which SmolLM2 learns within the grid's budget under the strict grader (on a ± b, 40 steps of
+# GRPO moved no rate more than 0.08 above the untrained model); 225 problems: 60 test, 60 validation, 105 training.
+# GRPO's best rate 1e-5 (the screen on seeds 0, 1 over 3e-6 … 3e-4: 0.833, against 0.650 at 3e-6 and 0.642 at 3e-5);
+# δ = 0.01 (validation seeds 10, 11: per-step KL quartiles 1.5e-4 / 9.2e-4 / 2.5e-3, 90th percentile 0.0086)
+A_PLUS_B = {"operators": "+", "max_operand": 14, "data": "data-sums", "title": "a + b", "eval_problems": 60,
+            "best_rate": 1e-5, "trust_region_kl": 0.01, "grid": [1e-6, 3e-6, 1e-5, 3e-5, 1e-4]}
+PROBLEMS = {"a±b": A_PLUS_MINUS_B, "a+b": A_PLUS_B}
+TRANSFER = {"problems": {"operators": "*", "max_operand": 24, "data": "data-multiplication", "title": "a × b",
+                         "eval_problems": 200, "best_rate": A_PLUS_MINUS_B["best_rate"],
+                         "trust_region_kl": A_PLUS_MINUS_B["trust_region_kl"]},
             "methods": [REFERENCE, "oblrpo-trust-cap", "oblrpo"], "rates": [1e-4, 1e-3], "seeds": [0, 1, 2],
             "steps": 40, "runs": "transfer-multiplication"}
 # more prompts a step and a longer run, so that the calibration window resolves
@@ -132,7 +149,10 @@ def parse_args(argv=None):
     parser.add_argument("--test_seeds", type=int, default=100, help="synthetic: paired seeds")
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default: the part's)")
     parser.add_argument("--model", default="builtin:smollm2-135m-instruct")
-    parser.add_argument("--eval_problems", type=int, default=200)
+    parser.add_argument("--problems", choices=list(PROBLEMS), default="a±b",
+                        help="the grid's problems (smollm2, delta; give each its own --output_dir)")
+    parser.add_argument("--eval_problems", type=int, default=None,
+                        help="problems in each of test and validation (default: the problems')")
     parser.add_argument("--jobs", type=int, default=SMOLLM2["jobs"])
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
                         help="override a config field of every SmolLM2 run, e.g. --set use_cpu=false on a GPU (give "
@@ -194,9 +214,15 @@ def grid_summary(cells: dict[str, dict[float, list[dict]]], resamples: int) -> d
     return {"best_cell_final": best, "methods": summary}
 
 
+# how far below the untrained model a run must end to count as collapsed: on 60 test problems one run's accuracy has a
+# binomial standard error of about 0.065, and a run of GRPO at 3e-6 on a ± b ended 0.010 below the untrained model
+# without having moved; the collapses measured end near 0 (0.000–0.070)
+COLLAPSE_MARGIN = 0.1
+
+
 def collapsed(run: dict) -> bool:
-    """The run ended below the untrained model."""
-    return run["final"] < run["initial"]
+    """The run ended more than `COLLAPSE_MARGIN` below the untrained model."""
+    return run["final"] < run["initial"] - COLLAPSE_MARGIN
 
 
 def against_grpo(own: dict[float, list[dict]], reference: dict[float, list[dict]], best_rate: float,
@@ -256,7 +282,8 @@ def run_synthetic(args) -> dict:
 
 # --- SmolLM2 parts ---------------------------------------------------------------------------------------------------
 def smollm2_specs(args, methods, rates, seeds, steps, extra_config=None, tag="", split="test", problems=A_PLUS_MINUS_B):
-    splits = learning.problem_splits(problems["max_operand"], args.eval_problems, operators=problems["operators"])
+    splits = learning.problem_splits(problems["max_operand"], args.eval_problems or problems["eval_problems"],
+                                     operators=problems["operators"])
     paths = learning.write_splits(splits, Path(args.output_dir) / problems["data"])
     base = {"model": args.model, "steps": steps, "train": paths["train"],
             "threads": max(1, (os.cpu_count() or 1) // args.jobs),
@@ -267,11 +294,14 @@ def smollm2_specs(args, methods, rates, seeds, steps, extra_config=None, tag="",
         for rate in rates:
             for method in methods:
                 overrides, schedule = SMOLLM2_METHODS[method]
+                if "lr_trust_region_kl" in (overrides or {}):
+                    overrides = {**overrides, "lr_trust_region_kl": problems["trust_region_kl"]}
                 config = {**learning.PRESETS["cpu"]["config"], **schedule, **(extra_config or {}),
                           **parse_overrides(args.overrides)}
-                specs.append({**base, "method": method + tag, "overrides": overrides, "config": config, "seed": seed,
-                              "learning_rate": rate})
-    initial = {**base, "method": "initial", "seed": 0, "learning_rate": 0.0, "split": "test", "held_out": paths["test"]}
+                specs.append({**base, "problems": problems["title"], "method": method + tag, "overrides": overrides,
+                              "config": config, "seed": seed, "learning_rate": rate})
+    initial = {**base, "problems": problems["title"], "method": "initial", "seed": 0, "learning_rate": 0.0,
+               "split": "test", "held_out": paths["test"]}
     return specs, initial
 
 
@@ -283,6 +313,12 @@ def smollm2_cells(runs: list[dict], initial_accuracy: float) -> dict:
             {"seed": r["seed"], "final": r["accuracy"], "auc": learning.auc(r), "initial": initial_accuracy,
              "factor_min": min(factors), "factor_max": max(factors)})
     return cells
+
+
+def problems_of(runs: list[dict]) -> dict:
+    """The problem set the runs trained on (runs before 2026-11-25 name none: they are a ± b)."""
+    title = runs[0].get("problems", A_PLUS_MINUS_B["title"])
+    return next(p for p in [*PROBLEMS.values(), TRANSFER["problems"]] if p["title"] == title)
 
 
 def cached_runs(folder: Path) -> list[dict]:
@@ -310,11 +346,19 @@ def smollm2_grid(runs: list[dict], resamples: int) -> tuple[dict, dict] | None:
     """The grid's summary (`grid_summary`) and what it was measured on, from one folder's test runs; None before the
     untrained model and a first grid run are there."""
     initial = next((r for r in runs if r["method"] == "initial"), None)
-    grid = [r for r in runs if r["method"] in SMOLLM2_METHODS]
-    if not grid or initial is None:
+    if initial is None:
+        return None
+    rates = problems_of([initial]).get("grid")  # the transfer has no grid: its two rates are all there is
+    grid = [r for r in runs if r["method"] in SMOLLM2_METHODS and (rates is None or r["learning_rate"] in rates)]
+    beyond = [r for r in runs if r["method"] in SMOLLM2_METHODS and r not in grid]
+    if not grid:
         return None
     details = {"initial_accuracy": initial["accuracy"], "rates": sorted({r["learning_rate"] for r in grid}),
-               "steps": len(grid[0]["reward"]), "schedule": TRL_SCHEDULE}
+               "beyond_grid": {f"{m} @ {rate:g}": {r["seed"]: r["accuracy"] for r in beyond
+                                                    if (r["method"], r["learning_rate"]) == (m, rate)}
+                               for m, rate in sorted({(r["method"], r["learning_rate"]) for r in beyond})},
+               "steps": len(grid[0]["reward"]), "schedule": TRL_SCHEDULE,
+               "problems": problems_of([initial])["title"]}
     return grid_summary(smollm2_cells(grid, initial["accuracy"]), resamples), details
 
 
@@ -365,7 +409,7 @@ def plot(summary_sets: list[tuple[str, dict, list[float]]], resolve_runs: list[d
         final_axis.set(xscale="log", xlabel="configured learning rate", ylabel="final held-out accuracy (95 % CI)",
                        title=title)
         collapse_axis.set(xscale="log", xlabel="configured learning rate", ylabel="collapsed fraction of seeds",
-                          title=f"{title}: collapse (final < untrained)")
+                          title=f"{title}: collapse (final < untrained − {COLLAPSE_MARGIN:g})")
         for axis in (final_axis, collapse_axis):
             axis.grid(alpha=0.3)
             axis.legend(fontsize=6)
@@ -392,12 +436,16 @@ def plot(summary_sets: list[tuple[str, dict, list[float]]], resolve_runs: list[d
     return save_figure(figure, output_dir, "summary")
 
 
-COLLAPSE = {"seed": 1, "rate": 3e-4}  # a seed on which GRPO and the defaults both collapsed at 3× the best rate
+# a seed and rate on which GRPO collapsed: on a ± b GRPO and the defaults both collapsed there (seed 1, 3× the best
+# rate); on a + b GRPO held at 10× it and collapsed on both screened seeds at 30× (3e-4)
+COLLAPSE = {"seed": 1, "times_best": {"a ± b": 3, "a + b": 30}}
 
 
 def plot_collapse(runs: list[dict], output_dir: Path) -> Path | None:
     """Reward, rate used and step KL per step of every method run on the `COLLAPSE` seed and rate."""
-    chosen = sorted((r for r in runs if r["seed"] == COLLAPSE["seed"] and r["learning_rate"] == COLLAPSE["rate"]
+    problems = problems_of(runs)
+    rate = problems["best_rate"] * COLLAPSE["times_best"][problems["title"]]
+    chosen = sorted((r for r in runs if r["seed"] == COLLAPSE["seed"] and math.isclose(r["learning_rate"], rate)
                      and r["method"] in SMOLLM2_METHODS), key=lambda r: r["method"])
     if not any("trust" in r["method"] for r in chosen):
         return None
@@ -411,11 +459,12 @@ def plot_collapse(runs: list[dict], output_dir: Path) -> Path | None:
         axes[1].plot(steps, used, label=label, color=f"C{index}")
         if any(math.isfinite(v) for v in traces.get("oblr/step_kl", [])):
             axes[2].plot(steps, traces["oblr/step_kl"], label=label, color=f"C{index}")
-    axes[2].axhline(TRUST_REGION_KL, color="black", linestyle=":", label=f"δ = {TRUST_REGION_KL:g}")
+    axes[2].axhline(problems["trust_region_kl"], color="black", linestyle=":",
+                    label=f"δ = {problems['trust_region_kl']:g}")
     for axis, (ylabel, scale) in zip(axes, [("training reward", "linear"), ("learning rate used", "log"),
                                             ("KL(π_t ‖ π_t+1) per token", "log")], strict=True):
         axis.set(xlabel="optimizer step", ylabel=ylabel, yscale=scale,
-                 title=f"SmolLM2 seed {COLLAPSE['seed']}, configured rate {COLLAPSE['rate']:g}")
+                 title=f"SmolLM2 ({problems['title']}) seed {COLLAPSE['seed']}, configured rate {rate:g}")
         axis.grid(alpha=0.3)
         axis.legend(fontsize=6)
     return save_figure(figure, output_dir, "collapse_seed")
@@ -459,23 +508,29 @@ def write_summary(args) -> None:
     if grid is not None:
         summary, details = grid
         results.update(summary, smollm2={**details, "grader": learning.grader_of(runs[0])})
-        sets.append((f"SmolLM2-135M, {A_PLUS_MINUS_B['title']}", summary, details["rates"]))
-        markdown += [f"## SmolLM2-135M-Instruct ({A_PLUS_MINUS_B['title']}, {details['steps']} steps of 8 completions, "
+        sets.append((f"SmolLM2-135M, {details['problems']}", summary, details["rates"]))
+        markdown += [f"## SmolLM2-135M-Instruct ({details['problems']}, {details['steps']} steps of 8 completions, "
                      f"TRL's linear schedule; untrained test accuracy {details['initial_accuracy']:.3f})\n",
                      grader_warning(runs),
-                     "Cell: final test accuracy [95 % CI] · collapsed fraction (final < untrained) · realised SNR "
-                     "factor range (n = seeds). Regret: best cell mean final minus this method's final, averaged over "
-                     "the rates, per seed; difference paired with `grpo` (bootstrap over seeds).\n",
+                     f"Cell: final test accuracy [95 % CI] · collapsed fraction (final < untrained − "
+                     f"{COLLAPSE_MARGIN:g}) · realised SNR factor range (n = seeds). Regret: best cell mean final minus "
+                     "this method's final, averaged over the rates, per seed; difference paired with `grpo` (bootstrap "
+                     "over seeds).\n",
                      cell_table(summary, details["rates"]), ""]
+        if details["beyond_grid"]:
+            markdown += ["Runs outside the grid (not in the regret): final test accuracy per seed\n",
+                         markdown_table(["method @ rate", "seed: final"],
+                                        [[cell, ", ".join(f"{seed}: {acc:.3f}" for seed, acc in finals.items())]
+                                         for cell, finals in details["beyond_grid"].items()]), ""]
     transfer_runs = cached_runs(runs_dir / TRANSFER["runs"])
     transfer = smollm2_grid(transfer_runs, args.bootstrap)
     if transfer is not None:
         summary, details = transfer
-        title = TRANSFER["problems"]["title"]
-        results["transfer"] = {**summary, **details, "task": TRANSFER["problems"], "trust_region_kl": TRUST_REGION_KL,
+        title, delta = TRANSFER["problems"]["title"], TRANSFER["problems"]["trust_region_kl"]
+        results["transfer"] = {**summary, **details, "task": TRANSFER["problems"], "trust_region_kl": delta,
                                "grader": learning.grader_of(transfer_runs[0])}
-        sets.append((f"SmolLM2-135M, {title}: δ = {TRUST_REGION_KL:g} carried over", summary, details["rates"]))
-        markdown += [f"## Transfer: δ = {TRUST_REGION_KL:g}, chosen on {A_PLUS_MINUS_B['title']}, unchanged on {title} "
+        sets.append((f"SmolLM2-135M, {title}: δ = {delta:g} carried over", summary, details["rates"]))
+        markdown += [f"## Transfer: δ = {delta:g}, chosen on {A_PLUS_MINUS_B['title']}, unchanged on {title} "
                      f"(operands 0…{TRANSFER['problems']['max_operand']}, {details['steps']} steps, untrained test "
                      f"accuracy {details['initial_accuracy']:.3f}; runs in `runs/{TRANSFER['runs']}/`)\n",
                      grader_warning(transfer_runs),
@@ -511,16 +566,17 @@ def write_summary(args) -> None:
     if delta_runs:
         kls = [kl for r in delta_runs for kl in r["traces"]["oblr/step_kl"] if math.isfinite(kl)]
         quartiles, deciles = statistics.quantiles(kls, n=4), statistics.quantiles(kls, n=10)
-        results["trust_region_delta"] = {"seeds": [r["seed"] for r in delta_runs], "rate": DELTA["rate"],
-                                         "split": "validation", "step_kl_quartiles": quartiles,
-                                         "step_kl_90th_percentile": deciles[-1],
-                                         "chosen": TRUST_REGION_KL}
+        problems = problems_of(delta_runs)
+        results["trust_region_delta"] = {"seeds": [r["seed"] for r in delta_runs],
+                                         "rate": delta_runs[0]["learning_rate"], "split": "validation",
+                                         "step_kl_quartiles": quartiles, "step_kl_90th_percentile": deciles[-1],
+                                         "chosen": problems["trust_region_kl"]}
         markdown += [f"## Choosing δ of the trust region (validation seeds {[r['seed'] for r in delta_runs]}, the "
-                     f"defaults at the best rate {DELTA['rate']:g}, validation split)\n",
+                     f"defaults at GRPO's best rate {delta_runs[0]['learning_rate']:g}, validation split)\n",
                      f"Per-step KL(π_t ‖ π_t+1) over {len(kls)} steps: quartiles {quartiles[0]:.2e} / "
                      f"{quartiles[1]:.2e} / {quartiles[2]:.2e}, 90th percentile {deciles[-1]:.2e}. Chosen δ = "
-                     f"{TRUST_REGION_KL:g} (the 90th percentile, rounded: the largest steps the best rate takes while "
-                     "it learns).\n", ""]
+                     f"{problems['trust_region_kl']:g} (the 90th percentile, rounded: the largest steps the best rate "
+                     "takes while it learns).\n", ""]
         trust_runs = [r for r in runs if "trust" in r["method"] or r["method"] == "oblrpo-paper"]
         if trust_runs:
             rows = [[r["method"], r["learning_rate"], r["seed"], r["accuracy"], learning.auc(r),
@@ -584,11 +640,14 @@ def main(argv=None) -> int:
     elif args.part in ("smollm2", "resolve", "delta", "transfer"):
         folder = runs_dir
         if args.part == "smollm2":
-            specs, initial = smollm2_specs(args, args.methods or SMOLLM2["methods"], args.rates or SMOLLM2["rates"],
-                                           args.seeds or SMOLLM2["seeds"], args.steps or SMOLLM2["steps"])
+            specs, initial = smollm2_specs(args, args.methods or SMOLLM2["methods"],
+                                           args.rates or PROBLEMS[args.problems]["grid"],
+                                           args.seeds or SMOLLM2["seeds"], args.steps or SMOLLM2["steps"],
+                                           problems=PROBLEMS[args.problems])
         elif args.part == "delta":
-            specs, initial = smollm2_specs(args, [DELTA["method"]], args.rates or [DELTA["rate"]],
-                                           args.seeds or DELTA["seeds"], args.steps or DELTA["steps"], split="validation")
+            specs, initial = smollm2_specs(args, [DELTA["method"]], args.rates or [PROBLEMS[args.problems]["best_rate"]],
+                                           args.seeds or DELTA["seeds"], args.steps or DELTA["steps"], split="validation",
+                                           problems=PROBLEMS[args.problems])
         elif args.part == "transfer":  # its own folder: the untrained model and the cells are another task's
             specs, initial = smollm2_specs(args, args.methods or TRANSFER["methods"], args.rates or TRANSFER["rates"],
                                            args.seeds or TRANSFER["seeds"], args.steps or TRANSFER["steps"],

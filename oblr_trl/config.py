@@ -181,7 +181,8 @@ class OBLRPOConfig(OBLRPOOptions, GRPOConfig):  # this base order keeps GRPOConf
         lr_trust_region_mode (`str`, *optional*, defaults to `"cap"`):
             `"cap"`: lr = min(scheduled · f_SNR, trust-region rate) — the configured rate becomes a ceiling.
             `"target"`: the rate follows δ both ways within [`lr_trust_region_min_ratio`,
-            `lr_trust_region_max_ratio`] × scheduled · f_SNR — a too-low configured rate is raised too.
+            `lr_trust_region_max_ratio`] × scheduled · f_SNR — a too-low configured rate is raised too. A step with
+            a zero gradient, which Adam's momentum alone drives, is never raised above scheduled · f_SNR.
         lr_trust_region_min_ratio (`float`, *optional*, defaults to `0.01`):
             Smallest trust-region factor, in (0, 1]: a spike of curvature cannot stall training. Also the factor of
             the probe, the first step(s), before any curvature is measured.

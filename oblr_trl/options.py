@@ -183,7 +183,8 @@ class OBLRPOOptions:
         metadata={
             "help": "'cap': lr = min(scheduled × SNR factor, trust-region rate), the configured rate a ceiling; "
             "'target': the rate follows δ both ways within [lr_trust_region_min_ratio, lr_trust_region_max_ratio] × "
-            "scheduled × SNR factor, so a too-low configured rate is raised too.",
+            "scheduled × SNR factor, so a too-low configured rate is raised too (never a step with a zero gradient, "
+            "which Adam's momentum alone drives).",
             "choices": list(TRUST_REGION_MODES),
         },
     )

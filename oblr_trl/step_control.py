@@ -92,9 +92,18 @@ class OptimizerStepControl:
         self.loss_finite = self.loss_finite.to(loss.device) & torch.isfinite(loss.detach()).all()
 
     def note_grad_norm(self, grad_norm) -> None:
-        """The step's pre-clip gradient norm, where it is known before the step (DeepSpeed computes it inside)."""
+        """The step's pre-clip gradient norm, where it is known before the step (DeepSpeed computes it inside).
+
+        A step with a zero gradient (every group scored alike) moves the parameters by Adam's momentum alone and
+        measures nothing, so the trust region may not raise its rate above the scheduled × SNR rate: the target form
+        otherwise drifted the policy at up to ``max_ratio`` × the schedule on such steps, and collapsed a run that had
+        learned (docs/trust_region.md). Lowering stays: a step the curvature says is too large is too large with or
+        without a gradient."""
         self.grad_norm = None if grad_norm is None else float(grad_norm)
         self.grad_norm_finite = self.grad_norm is None or math.isfinite(self.grad_norm)
+        if self.grad_norm == 0.0 and self.trust_part > 1.0:
+            self.trust_part = 1.0
+            self.factor = self.snr_part
 
     def _allowed(self) -> bool:
         """Every process agrees: the step's losses, gradient norm and factor are all finite."""

@@ -208,6 +208,33 @@ def test_a_step_without_a_gradient_is_logged_but_does_not_change_the_curvature(m
     assert math.isfinite(rates[0]) and rates[1:] == [rates[0]] * 3
 
 
+def test_the_target_form_does_not_raise_a_step_without_a_gradient(make_trainer):
+    """δ far above what any step moves the tiny policy: the target form raises every step with a gradient to its
+    bound (`test_each_trust_region_option_changes_the_factor`), but from step 2 on every group scores alike, and a
+    step that Adam's momentum alone drives runs at the scheduled rate, as the optimizer sees it."""
+    from conftest import digit_fraction_reward
+
+    trainer = None
+
+    def rewards_vary_on_step_one_only(completions, **kwargs):
+        if trainer.state.global_step == 0:
+            return digit_fraction_reward(completions, **kwargs)
+        return [1.0] * len(completions)
+
+    probe = RatesUsed()
+    trainer = make_trainer(reward_funcs=[rewards_vary_on_step_one_only], lr_trust_region_kl=10.0,
+                           lr_trust_region_mode="target", lr_trust_region_max_ratio=3.0, max_steps=3,
+                           use_snr_lr=False, lr_scheduler_type="constant", callbacks=[probe])
+    probe.trainer = trainer
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if "loss" in h]
+    assert logged[0]["grad_norm"] > 0 and all(h["grad_norm"] == 0 for h in logged[1:])
+    assert math.isfinite(logged[1]["oblr/trust_region_rate"])  # the rule would raise: its rate is far above 1e-2
+    assert logged[1]["oblr/trust_region_rate"] > 3e-2
+    assert _factors(trainer) == [0.01, 1.0, 1.0]
+    assert probe.seen == pytest.approx([1e-4, 1e-2, 1e-2], rel=1e-6)
+
+
 def test_each_trust_region_option_changes_the_factor(make_trainer):
     common = dict(max_steps=3, lr_scheduler_type="constant", use_snr_lr=False)
     off = make_trainer(**common)
