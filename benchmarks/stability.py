@@ -348,9 +348,12 @@ def smollm2_grid(runs: list[dict], resamples: int) -> tuple[dict, dict] | None:
     initial = next((r for r in runs if r["method"] == "initial"), None)
     if initial is None:
         return None
-    rates = problems_of([initial]).get("grid")  # the transfer has no grid: its two rates are all there is
-    grid = [r for r in runs if r["method"] in SMOLLM2_METHODS and (rates is None or r["learning_rate"] in rates)]
-    beyond = [r for r in runs if r["method"] in SMOLLM2_METHODS and r not in grid]
+    problems = problems_of([initial])
+    rates = problems.get("grid")  # the transfer has no grid: its two rates are all there is
+    grid, beyond = [], []
+    for r in runs:
+        if r["method"] in SMOLLM2_METHODS:
+            (grid if rates is None or r["learning_rate"] in rates else beyond).append(r)
     if not grid:
         return None
     details = {"initial_accuracy": initial["accuracy"], "rates": sorted({r["learning_rate"] for r in grid}),
@@ -358,7 +361,7 @@ def smollm2_grid(runs: list[dict], resamples: int) -> tuple[dict, dict] | None:
                                                     if (r["method"], r["learning_rate"]) == (m, rate)}
                                for m, rate in sorted({(r["method"], r["learning_rate"]) for r in beyond})},
                "steps": len(grid[0]["reward"]), "schedule": TRL_SCHEDULE,
-               "problems": problems_of([initial])["title"]}
+               "problems": problems["title"]}
     return grid_summary(smollm2_cells(grid, initial["accuracy"]), resamples), details
 
 
