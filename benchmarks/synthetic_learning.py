@@ -39,6 +39,7 @@ from common import RESULTS, bootstrap_ci, markdown_table, new_figure, save_figur
 from oblr_trl.advantages import gradient_weighted_advantages  # noqa: E402
 from oblr_trl.baselines import PooledSlope  # noqa: E402
 from oblr_trl.snr import SNRLearningRateController, cross_step_noise_estimate  # noqa: E402
+from oblr_trl.trust_region import TrustRegionRate, sampled_token_kl  # noqa: E402
 from oblr_trl.weights import length_weights, logit_gradient_sq_norms, uniform_weights  # noqa: E402
 
 
@@ -53,6 +54,8 @@ class Method:
     min_ratio: float = 1.0
     max_ratio: float = 2.0
     estimator: str = "weighted"  # the estimate of b* (OBLRPOConfig.baseline_estimator); "weighted" for the others
+    trust_region_kl: float | None = None  # δ of the trust region of the step (OBLRPOConfig.lr_trust_region_kl)
+    trust_region_mode: str = "cap"
     description: str = ""
 
 
@@ -127,6 +130,10 @@ def run(method: Method, lrs: torch.Tensor, seeds: list[int], task: Task, teacher
         for _ in seeds
     ] if method.snr else None
     factors = torch.ones(S)
+    # the trainer's rule and its bookkeeping (`StepKLRecorder`, `OptimizerStepControl`), one per seed: the next step's
+    # factor from the curvature KL/lr² of the gradient-driven steps before it, a zero-gradient step never raised
+    rules = [TrustRegionRate(method.trust_region_kl, method.trust_region_mode) for _ in seeds
+             ] if method.trust_region_kl else None
     previous_grad = None
     slopes = [PooledSlope(0.9) for _ in seeds]  # the trainer's POOLED_SLOPE_DECAY
     curve, lr_trace, factor_trace = [], [], []
@@ -186,6 +193,10 @@ def run(method: Method, lrs: torch.Tensor, seeds: list[int], task: Task, teacher
             previous_grad = flat
         scheduled = lrs * (1.0 - step / task.steps) if schedule == "linear" else lrs
         lr = scheduled * step_factors
+        moved = grad.reshape(S, -1).abs().amax(-1) > 0
+        if rules is not None:
+            trust = torch.tensor([rule.factor(base) for rule, base in zip(rules, lr.tolist(), strict=True)])
+            lr = lr * torch.where(moved, trust, trust.clamp(max=1.0))
         lr_trace.append(lr)
         factor_trace.append(step_factors)
         with torch.no_grad():  # Adam, one learning rate per seed
@@ -194,6 +205,14 @@ def run(method: Method, lrs: torch.Tensor, seeds: list[int], task: Task, teacher
             exp_avg_sq.mul_(0.999).addcmul_(grad, grad, value=0.001)
             denom = (exp_avg_sq / (1 - 0.999**t)).sqrt_().add_(1e-8)
             params.sub_(lr.view(S, 1, 1, 1) * (exp_avg / (1 - 0.9**t)) / denom)
+            if rules is not None:  # KL(π_t ‖ π_t+1) on the step's own tokens
+                new_log_p = torch.log_softmax(torch.einsum("stvd,snd->sntv", params, x), -1)
+                new_token_log_p = new_log_p.unsqueeze(2).expand(S, n, G, T, V).gather(
+                    -1, tokens.unsqueeze(-1)).squeeze(-1)
+                for s, rule in enumerate(rules):
+                    total, count = sampled_token_kl(new_token_log_p[s], token_log_p[s].detach(), mask[s])
+                    if moved[s]:
+                        rule.update(float(total / count), float(lr[s]))
 
     curve = torch.stack(curve, 1)  # (S, evals)
     return {
@@ -201,6 +220,7 @@ def run(method: Method, lrs: torch.Tensor, seeds: list[int], task: Task, teacher
         "auc": curve.mean(1),
         "final": curve[:, -1],
         "mean_lr": torch.stack(lr_trace, 1).mean(1),
+        "lr_trace": torch.stack(lr_trace, 1),
         "mean_factor": torch.stack(factor_trace, 1).mean(1),
         "factor_trace": torch.stack(factor_trace, 1),
     }

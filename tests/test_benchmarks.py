@@ -3,7 +3,9 @@
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
+from unittest.mock import ANY
 
 import pytest
 
@@ -132,6 +134,32 @@ def test_synthetic_learning_smoke(tmp_path):
     assert (tmp_path / "summary.png").exists() and "AUC − grpo" in out
 
 
+def test_synthetic_trust_region_probes_then_sizes_the_step_by_delta(monkeypatch):
+    """The testbed's trust region is the trainer's rule: a probe at min_ratio × the rate, then η = sqrt(δ/ĉ)."""
+    import torch
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import synthetic_learning as synthetic
+
+    task = synthetic.Task(steps=3, eval_every=3)
+    teacher = torch.randn(task.length, task.vocab, task.dim, generator=torch.Generator().manual_seed(0))
+    held_out = torch.randn(8, task.dim, generator=torch.Generator().manual_seed(1))
+    targets = synthetic.teacher_targets(task, held_out, teacher)
+
+    def lrs(delta):
+        method = replace(synthetic.METHODS["grpo"], trust_region_kl=delta, trust_region_mode="target")
+        return synthetic.run(method, torch.full((2,), 0.1), [0, 1], task, teacher, held_out, targets)["lr_trace"]
+
+    plain = synthetic.run(synthetic.METHODS["grpo"], torch.full((2,), 0.1), [0, 1], task, teacher, held_out,
+                          targets)["lr_trace"]
+    small, large = lrs(1e-4), lrs(1e-2)
+    assert torch.equal(plain, torch.full((2, 3), 0.1))
+    assert torch.allclose(small[:, 0], torch.full((2,), 1e-3)) and torch.equal(small[:, 0], large[:, 0])
+    # one measurement of the same probe step: η_δ ∝ sqrt(δ), so 100× δ is 10× the rate (both inside [0.001, 1])
+    assert ((small[:, 1] > 1e-3) & (large[:, 1] < 1.0)).all()
+    assert torch.allclose(large[:, 1] / small[:, 1], torch.full((2,), 10.0), rtol=1e-4)
+
+
 def test_set_reads_numbers_in_any_notation():
     sys.path.insert(0, str(BENCHMARKS))
     from common import parse_overrides
@@ -258,6 +286,25 @@ def test_stability_smoke(saved_tiny_model, tmp_path):
     # 3e-4 is 30× the best rate of a + b, outside its grid (1e-6 … 1e-4): reported beside it, not in the regret
     assert details["rates"] == [1e-4] and list(details["beyond_grid"]) == ["grpo @ 0.0003"]
     assert "Runs outside the grid" in out
+    # a + b's δ carried to its own second task: GRPO's rate there screened on validation runs, then the transfer
+    sums_tiny = ["--model", str(saved_tiny_model), "--steps", "1", "--eval_problems", "4", "--bootstrap", "50",
+                 "--problems", "a+b", "--output_dir", str(sums)]
+    out = run("stability.py", "--part", "transfer-rate", *sums_tiny, "--seeds", "10", "--rates", "1e-4")
+    assert [p.name for p in (sums / "runs" / "transfer-products").glob("validation-*.json")] == [
+        "validation-grpo-lr0.0001-seed10.json"]
+    assert json.loads((sums / "summary.json").read_text())["transfer_rate_screen"] == {"0.0001": {"10": ANY}}
+    assert "## GRPO's best rate on a × b (0…14)" in out
+    out = run("stability.py", "--part", "transfer", *sums_tiny, "--methods", "grpo", "oblrpo-trust-target",
+              "--seeds", "0", "--rates", "1e-4")
+    transfer = json.loads((sums / "summary.json").read_text())["transfer"]
+    assert transfer["task"]["title"] == "a × b (0…14)" and transfer["trust_region_kl"] == 0.01
+    assert set(transfer["methods"]) == {"grpo", "oblrpo-trust-target"}
+    target_run = json.loads((sums / "runs" / "transfer-products" / "test-oblrpo-trust-target-lr0.0001-seed0.json")
+                            .read_text())
+    assert target_run["problems"] == "a × b (0…14)" and target_run["overrides"]["lr_trust_region_kl"] == 0.01
+    questions = [json.loads(line)["question"] for line in (sums / "data-products" / "test.jsonl").open()]
+    assert len(questions) == 4 and all(" * " in q for q in questions)
+    assert "## Transfer: δ = 0.01, chosen on a + b, unchanged on a × b (0…14)" in out and "screened above" in out
 
 
 def test_results_record_the_load_average_and_warn_above_the_cores(tmp_path, monkeypatch, capsys):
