@@ -559,8 +559,8 @@ def write_summary(args) -> None:
             by_rate.setdefault(r["learning_rate"], []).append(r)
         results["transfer_rate_screen"] = {f"{rate:g}": {r["seed"]: r["accuracy"] for r in runs}
                                            for rate, runs in by_rate.items()}
-        markdown += [f"## GRPO's best rate on {task['title']} (validation seeds {TRANSFER['rate_seeds']}, validation "
-                     f"split; chosen: {task['best_rate']})\n",
+        markdown += [f"## GRPO's best rate on {task['title']} (validation seeds {sorted({r['seed'] for r in screen})}, "
+                     f"validation split; chosen: {task['best_rate']:g})\n",
                      markdown_table(["lr", "seed: final validation acc.", "mean"],
                                     [[rate, ", ".join(f"{r['seed']}: {r['accuracy']:.3f}" for r in runs),
                                       statistics.fmean(r["accuracy"] for r in runs)]

@@ -293,7 +293,7 @@ def test_stability_smoke(saved_tiny_model, tmp_path):
     assert [p.name for p in (sums / "runs" / "transfer-products").glob("validation-*.json")] == [
         "validation-grpo-lr0.0001-seed10.json"]
     assert json.loads((sums / "summary.json").read_text())["transfer_rate_screen"] == {"0.0001": {"10": ANY}}
-    assert "## GRPO's best rate on a × b (0…14)" in out
+    assert "## GRPO's best rate on a × b (0…14) (validation seeds [10]," in out
     out = run("stability.py", "--part", "transfer", *sums_tiny, "--methods", "grpo", "oblrpo-trust-target",
               "--seeds", "0", "--rates", "1e-4")
     transfer = json.loads((sums / "summary.json").read_text())["transfer"]
