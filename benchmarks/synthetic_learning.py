@@ -109,6 +109,12 @@ def rewards_of(tokens: torch.Tensor, targets: torch.Tensor, eos: int = 0) -> tup
     return right.float().mean(-1), mask.float()
 
 
+def completion_log_probs(log_p: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """(S, n, G, T) log-probabilities of the sampled tokens under the per-prompt (S, n, T, V) log-softmax."""
+    S, n, G, T = tokens.shape
+    return log_p.unsqueeze(2).expand(S, n, G, T, log_p.shape[-1]).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
 SCHEDULES = ("constant", "linear")  # "linear": TRL's default, the rate decays linearly to 0 over the run, no warm-up
 
 
@@ -159,7 +165,7 @@ def run(method: Method, lrs: torch.Tensor, seeds: list[int], task: Task, teacher
             probs = log_p.exp().unsqueeze(2).expand(S, n, G, T, V)
             tokens = torch.multinomial(probs.reshape(-1, V), 1, generator=sample_gen).view(S, n, G, T)
             reward, mask = rewards_of(tokens, targets.unsqueeze(2))
-        token_log_p = log_p.unsqueeze(2).expand(S, n, G, T, V).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        token_log_p = completion_log_probs(log_p, tokens)
         flat_mask = mask.reshape(-1, T)
         if method.weights == "logit":
             log_sum_sq = torch.logsumexp(2 * log_p.detach(), -1).unsqueeze(2).expand(S, n, G, T)
@@ -193,8 +199,8 @@ def run(method: Method, lrs: torch.Tensor, seeds: list[int], task: Task, teacher
             previous_grad = flat
         scheduled = lrs * (1.0 - step / task.steps) if schedule == "linear" else lrs
         lr = scheduled * step_factors
-        moved = grad.reshape(S, -1).abs().amax(-1) > 0
         if rules is not None:
+            moved = grad.reshape(S, -1).abs().amax(-1) > 0
             trust = torch.tensor([rule.factor(base) for rule, base in zip(rules, lr.tolist(), strict=True)])
             lr = lr * torch.where(moved, trust, trust.clamp(max=1.0))
         lr_trace.append(lr)
@@ -206,21 +212,20 @@ def run(method: Method, lrs: torch.Tensor, seeds: list[int], task: Task, teacher
             denom = (exp_avg_sq / (1 - 0.999**t)).sqrt_().add_(1e-8)
             params.sub_(lr.view(S, 1, 1, 1) * (exp_avg / (1 - 0.9**t)) / denom)
             if rules is not None:  # KL(π_t ‖ π_t+1) on the step's own tokens
-                new_log_p = torch.log_softmax(torch.einsum("stvd,snd->sntv", params, x), -1)
-                new_token_log_p = new_log_p.unsqueeze(2).expand(S, n, G, T, V).gather(
-                    -1, tokens.unsqueeze(-1)).squeeze(-1)
-                for s, rule in enumerate(rules):
+                new_token_log_p = completion_log_probs(
+                    torch.log_softmax(torch.einsum("stvd,snd->sntv", params, x), -1), tokens)
+                for s in moved.nonzero().flatten().tolist():
                     total, count = sampled_token_kl(new_token_log_p[s], token_log_p[s].detach(), mask[s])
-                    if moved[s]:
-                        rule.update(float(total / count), float(lr[s]))
+                    rules[s].update(float(total / count), float(lr[s]))
 
     curve = torch.stack(curve, 1)  # (S, evals)
+    lr_trace = torch.stack(lr_trace, 1)  # (S, steps)
     return {
         "curve": curve,
         "auc": curve.mean(1),
         "final": curve[:, -1],
-        "mean_lr": torch.stack(lr_trace, 1).mean(1),
-        "lr_trace": torch.stack(lr_trace, 1),
+        "mean_lr": lr_trace.mean(1),
+        "lr_trace": lr_trace,
         "mean_factor": torch.stack(factor_trace, 1).mean(1),
         "factor_trace": torch.stack(factor_trace, 1),
     }
