@@ -85,12 +85,15 @@ class _OBLRPOCallback(TrainerCallback):
 class OBLRPOTrainer(GRPOTrainer):
     """Trainer for OBLR-PO (Optimal Baseline and Learning-Rate Policy Optimization, arXiv 2511.23310).
 
-    A drop-in replacement for [`~trl.GRPOTrainer`] (same arguments) that changes two things:
+    A drop-in replacement for [`~trl.GRPOTrainer`] (same arguments) that changes three things:
 
     1. Advantages are r_i − b_i with a leave-one-out estimate of the variance-optimal baseline b* = E[w r]/E[w],
        w ∝ ‖∇_θ log π(o|q)‖² (see `OBLRPOConfig.baseline_estimator` and `baseline_weights`).
     2. The scheduled learning rate of each optimizer step is scaled by a factor driven by the measured gradient
        SNR = ‖μ‖²/tr Σ through f_t = N·SNR/(1 + N·SNR) (see `OBLRPOConfig.snr_lr_reference`).
+    3. After each optimizer step the policy KL it caused is measured on the step's completions, and the next step's
+       rate is capped at the one that moves the policy by δ (see `OBLRPOConfig.lr_trust_region_kl`; `None` turns it
+       off).
 
     Example:
 

@@ -174,6 +174,7 @@ def test_learning_rate_is_schedule_times_logged_factor(make_trainer, use_snr_lr)
     trainer = make_trainer(
         callbacks=[probe], use_snr_lr=use_snr_lr, max_steps=5, snr_warmup_steps=1, snr_lr_floor=0.05,
         gradient_accumulation_steps=4, per_device_train_batch_size=2, snr_lr_reference="absolute",
+        lr_trust_region_kl=None,  # the SNR factor alone (the trust region's factor: tests/test_trust_region.py)
     )
     probe.trainer = trainer
     trainer.train()
@@ -455,7 +456,7 @@ def test_calibrated_factor_moves_the_rate_once_the_reference_is_resolved(make_tr
     optimizer's rate (the resolution test is relaxed so that a 7-step run resolves it)."""
     probe = LearningRateProbe()
     trainer = make_trainer(callbacks=[probe], max_steps=7, snr_warmup_steps=0, snr_calibration_steps=2,
-                           snr_lr_min_ratio=0.5, snr_lr_max_ratio=2.0, snr_ema_decay=0.0)
+                           snr_lr_min_ratio=0.5, snr_lr_max_ratio=2.0, snr_ema_decay=0.0, lr_trust_region_kl=None)
     trainer.snr_controller.calibration.min_t = -math.inf
     probe.trainer = trainer
     trainer.train()

@@ -132,7 +132,8 @@ def _log_probs(model, batch, temperature):
 
 def test_the_logged_step_kl_is_the_kl_between_the_policies_before_and_after_the_step(make_trainer):
     snapshots = PolicySnapshots()
-    trainer = make_trainer(log_step_kl=True, max_steps=3, callbacks=[snapshots], temperature=0.9)
+    trainer = make_trainer(log_step_kl=True, lr_trust_region_kl=None, max_steps=3, callbacks=[snapshots],
+                           temperature=0.9)
     snapshots.trainer = trainer
     trainer.train()
     logged = {h["step"]: h for h in trainer.state.log_history if "loss" in h}
@@ -237,9 +238,13 @@ def test_the_target_form_does_not_raise_a_step_without_a_gradient(make_trainer):
 
 def test_each_trust_region_option_changes_the_factor(make_trainer):
     common = dict(max_steps=3, lr_scheduler_type="constant", use_snr_lr=False)
-    off = make_trainer(**common)
+    off = make_trainer(lr_trust_region_kl=None, **common)
     off.train()
     assert off.kl_recorder is None and _factors(off) == [None] * 3
+    default = make_trainer(**common)  # the cap with δ = 0.01: the probe, then a factor the measured KL sets
+    assert (default.kl_recorder.rule.target_kl, default.kl_recorder.rule.mode) == (0.01, "cap")
+    default.train()
+    assert _factors(default)[0] == 0.01 and all(0.01 <= g <= 1.0 for g in _factors(default))
     floor = make_trainer(lr_trust_region_kl=1e-12, lr_trust_region_min_ratio=0.2, **common)
     floor.train()
     assert _factors(floor) == [0.2, 0.2, 0.2]  # the probe, then the floor
@@ -252,7 +257,7 @@ def test_each_trust_region_option_changes_the_factor(make_trainer):
     assert _factors(raised)[1:] == [3.0, 3.0]  # target: the too-low rate is raised, to its bound
     smoothed = make_trainer(lr_trust_region_kl=1e-6, lr_trust_region_ema_decay=0.9, **common)
     assert smoothed.kl_recorder.rule.curvature.decay == 0.9
-    measured = make_trainer(log_step_kl=True, **common)
+    measured = make_trainer(log_step_kl=True, lr_trust_region_kl=None, **common)
     measured.train()
     assert all(h["oblr/step_kl"] > 0 for h in measured.state.log_history if "loss" in h)
 
