@@ -190,6 +190,7 @@ def run_child(spec: dict) -> dict:
         result["reward"] = [h["reward"] for h in logs]
         result["traces"] = {key: [math.nan if h.get(key) is None else h[key] for h in logs] for key in TRACES}
         result["max_grad_norm"] = trainer.args.max_grad_norm
+        result["lr_trust_region_kl"] = getattr(trainer.args, "lr_trust_region_kl", None)
     return result
 
 
@@ -209,11 +210,34 @@ def graded_now(path: Path) -> bool:
     return path.exists() and grader_of(json.loads(path.read_text())) == GRADER_VERSION
 
 
+def recorded_trust_region(run: dict) -> float | None:
+    """The δ of the trust region a run used. Runs recorded before 2026-11-26 carry none: their overrides say, and
+    without one they ran without a trust region, the default then."""
+    if "lr_trust_region_kl" in run:
+        return run["lr_trust_region_kl"]
+    return (run.get("overrides") or {}).get("lr_trust_region_kl")
+
+
+def requested_trust_region(spec: dict) -> float | None:
+    """The δ a spec asks for: its override, else OBLRPOConfig's default; GRPO and the untrained model none."""
+    if spec.get("overrides") is None:
+        return None
+    from oblr_trl import OBLRPOConfig
+
+    return spec["overrides"].get("lr_trust_region_kl", OBLRPOConfig.__dataclass_fields__["lr_trust_region_kl"].default)
+
+
+def current(path: Path, spec: dict) -> bool:
+    """A cached run of ``spec`` graded by the current grader and run with the trust region the spec asks for now (a
+    method named after the defaults changes when they do)."""
+    return graded_now(path) and recorded_trust_region(json.loads(path.read_text())) == requested_trust_region(spec)
+
+
 def run_all(specs: list[dict], folder: Path, description: str, jobs: int) -> list[dict]:
     """Each spec's result, from ``folder`` where an earlier invocation left it, else from a fresh run."""
     folder.mkdir(parents=True, exist_ok=True)
     cached = {run_key(s): folder / f"{run_key(s)}.json" for s in specs}
-    todo = [s for s in specs if not graded_now(cached[run_key(s)])]
+    todo = [s for s in specs if not current(cached[run_key(s)], s)]
     run_in_subprocesses(__file__, todo, description, jobs=jobs,
                         on_result=lambda spec, result: cached[run_key(spec)].write_text(json.dumps(result)))
     return [json.loads(cached[run_key(s)].read_text()) for s in specs]

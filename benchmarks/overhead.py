@@ -45,13 +45,15 @@ from common import (  # noqa: E402
 
 VARIANTS = {
     "grpo": None,  # TRL's GRPOTrainer with GRPOConfig defaults
-    "oblrpo": {},  # OBLR-PO defaults: logit weights + SNR learning rate
+    "oblrpo": {},  # OBLR-PO defaults: logit weights + SNR learning rate + the trust region's cap (its KL forward)
+    "oblrpo-no-trust": {"lr_trust_region_kl": None},  # the defaults before 2026-11-26
     "oblrpo-no-snr": {"use_snr_lr": False},
     "length": {"baseline_weights": "length"},
     "uniform-no-snr": {"baseline_weights": "uniform", "use_snr_lr": False},
     "exact": {"baseline_weights": "exact"},
     "exact-naive": {"baseline_weights": "exact"},  # the same weights by one backward per completion (NaiveExact)
-    "oblrpo-step-kl": {"log_step_kl": True},  # the defaults, measuring each step's KL (one no-grad forward a step)
+    # the defaults without the trust region's rule, measuring each step's KL (one no-grad forward a step)
+    "oblrpo-step-kl": {"lr_trust_region_kl": None, "log_step_kl": True},
     "oblrpo-trust-region": {"lr_trust_region_kl": 1e-3},
 }
 PRESETS = {

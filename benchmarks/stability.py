@@ -13,16 +13,18 @@ best mean final accuracy of any method at any rate minus this method's final acc
 (per seed, so it can be paired), and its paired difference with `grpo`, bootstrapped over seeds. A rule with lower
 regret than GRPO loses less when the rate is wrong.
 
-Three parts, each resumable and each writing into the one summary:
+Seven parts, each resumable and each writing into the one summary:
 
 * ``synthetic`` — the testbed of `synthetic_learning.py` (exact gradients, 100 paired seeds, the trainer's own pure
   functions), every method under both schedules (`constant`, and TRL's `linear`), rates 0.1 (GRPO's best) … 3.
 * ``smollm2`` — SmolLM2-135M-Instruct on a ± b (the splits and runner of `learning.py`), TRL's default schedule,
   rates 1e-5 … 1e-3 around 1e-4 (GRPO's best in the learning benchmark), paired seeds 0…4; or, with
   ``--problems a+b``, on sums of operands 0…14, which the model learns within the budget under the fixed grader
-  (GRPO's best rate 1e-5, the grid 1e-6 … 1e-4; give it its own ``--output_dir``); GRPO, the defaults, the
-  paper-literal factor, and the trust region of the step (`lr_trust_region_kl`, δ chosen by ``delta``) in both forms
-  on GRPO's advantages and on OBLR-PO's. Each run is a fresh process kept under `results/stability/runs/` (committed,
+  (GRPO's best rate 1e-5, the grid 1e-6 … 1e-4; give it its own ``--output_dir``); GRPO, the defaults, the defaults
+  without the trust region (`oblrpo-no-trust`, the defaults before 2026-11-26), the paper-literal factor, and the trust
+  region of the step (`lr_trust_region_kl`, δ chosen by ``delta``) in both forms on GRPO's advantages and on
+  OBLR-PO's. Where a grid's δ and form are the defaults' (a + b: the cap at 0.01), `oblrpo` is not run again: the
+  summary reports that trust-region method's runs under its name too. Each run is a fresh process kept under `results/stability/runs/` (committed,
   so the grid can be completed across sessions: ``--methods``/``--rates``/``--seeds`` pick a part of it).
 * ``delta`` — the per-step KL of the defaults at the best rate on validation seeds and the validation split, from
   which δ is chosen.
@@ -36,7 +38,7 @@ Three parts, each resumable and each writing into the one summary:
   factor resolves, so the factor is seen acting on a real model (its trajectory is plotted).
 
     python benchmarks/stability.py --part synthetic      # 48 cells of 100 seeds (33 min on 2 busy cores)
-    python benchmarks/stability.py --part smollm2        # 175 runs (7 min each on 2 idle cores), 2 at a time; resumes
+    python benchmarks/stability.py --part smollm2        # 200 runs (7 min each on 2 idle cores), 2 at a time; resumes
     python benchmarks/stability.py --part smollm2 --problems a+b --output_dir benchmarks/results/stability-sums
     python benchmarks/stability.py --part delta          # 2 validation runs that choose δ
     python benchmarks/stability.py --part transfer       # 18 runs on a × b and the untrained model; resumes
@@ -84,16 +86,21 @@ SYNTHETIC_METHODS = {
 SYNTHETIC_RATES = [0.1, 0.3, 1.0, 3.0]
 
 # --- SmolLM2 ---------------------------------------------------------------------------------------------------------
+# the defaults before 2026-11-26, when the trust region of the step (the cap, δ = 0.01) became one; the methods below
+# that vary one other part of OBLR-PO were run without it and say so
+NO_TRUST_REGION = {"lr_trust_region_kl": None}
 SMOLLM2_METHODS = {  # name -> (OBLRPOConfig overrides, None for TRL's GRPOTrainer; config changes)
     "grpo": (None, TRL_SCHEDULE),
     "oblrpo": ({}, TRL_SCHEDULE),
-    "oblrpo-unscaled": ({"scale_rewards": "none"}, TRL_SCHEDULE),  # the defaults before 2026-11-23
-    "oblrpo-two-sided": ({"snr_lr_min_ratio": 0.5}, TRL_SCHEDULE),
+    "oblrpo-no-trust": (NO_TRUST_REGION, TRL_SCHEDULE),
+    "oblrpo-unscaled": ({**NO_TRUST_REGION, "scale_rewards": "none"}, TRL_SCHEDULE),  # the defaults before 2026-11-23
+    "oblrpo-two-sided": ({**NO_TRUST_REGION, "snr_lr_min_ratio": 0.5}, TRL_SCHEDULE),
     "grpo-constant": (None, {"lr_scheduler_type": "constant", "warmup_steps": 0}),
     # the paper-literal factor reacting from the first steps (the issue-26 probe that saved seed 1 at 3e-4)
-    "oblrpo-paper": ({"snr_lr_reference": "absolute", "snr_estimator": "per_sample", "snr_warmup_steps": 0},
-                     TRL_SCHEDULE),
-    "oblrpo-kl": ({"log_step_kl": True}, TRL_SCHEDULE),  # the defaults, measuring each step's KL (choosing δ)
+    "oblrpo-paper": ({**NO_TRUST_REGION, "snr_lr_reference": "absolute", "snr_estimator": "per_sample",
+                      "snr_warmup_steps": 0}, TRL_SCHEDULE),
+    # the defaults without the trust region, measuring each step's KL (choosing δ)
+    "oblrpo-kl": ({**NO_TRUST_REGION, "log_step_kl": True}, TRL_SCHEDULE),
 }
 # δ of the trust region is chosen per problem set on validation seeds only (--part delta: the defaults at GRPO's best
 # rate on seeds 10 and 11 and the validation split): the 90th percentile of their per-step KL, rounded — the largest
@@ -112,8 +119,8 @@ for _form in ("cap", "target"):
 # the grid of each problem set (below) is the symmetric one of issue 26: GRPO's best rate ÷10 … ×10, so that a rule
 # which only shrinks the rate loses at the low end what it saves at the high end; runs at other rates are reported
 # beside it, outside the regret
-SMOLLM2 = {"methods": [REFERENCE, "oblrpo", "oblrpo-paper", "grpo-trust-cap", "grpo-trust-target", "oblrpo-trust-cap",
-                       "oblrpo-trust-target"],
+SMOLLM2 = {"methods": [REFERENCE, "oblrpo", "oblrpo-no-trust", "oblrpo-paper", "grpo-trust-cap", "grpo-trust-target",
+                       "oblrpo-trust-cap", "oblrpo-trust-target"],
            "seeds": [0, 1, 2, 3, 4], "steps": 40, "jobs": 2}
 # a ± b: GRPO's best rate 1e-4 (the learning benchmark), δ = 0.4 (validation seeds 10, 11: per-step KL spanning 8
 # decades, 4.1 nats a token at step 1 and 1e-10 once every group scores alike; 90th percentile 0.42), both measured
@@ -143,7 +150,7 @@ TRANSFERS = {
     "a±b": {"problems": {"operators": "*", "max_operand": 24, "data": "data-multiplication", "title": "a × b",
                          "eval_problems": 200, "best_rate": A_PLUS_MINUS_B["best_rate"],
                          "trust_region_kl": A_PLUS_MINUS_B["trust_region_kl"]},
-            "methods": [REFERENCE, "oblrpo-trust-cap", "oblrpo"], "runs": "transfer-multiplication"},
+            "methods": [REFERENCE, "oblrpo-trust-cap", "oblrpo-no-trust"], "runs": "transfer-multiplication"},
     "a+b": {"problems": {"operators": "*", "max_operand": 14, "data": "data-products", "title": "a × b (0…14)",
                          "eval_problems": 60, "best_rate": 3e-6, "trust_region_kl": A_PLUS_B["trust_region_kl"]},
             "methods": [REFERENCE, "oblrpo-trust-cap", "oblrpo-trust-target"], "runs": "transfer-products",
@@ -152,7 +159,7 @@ TRANSFERS = {
 TRANSFER = {"seeds": [0, 1, 2], "steps": 40, "rate_seeds": [10, 11]}
 # more prompts a step and a longer run, so that the calibration window resolves
 RESOLVE = {"rate": 3e-5, "seed": 0, "steps": 60, "config": {"per_device_train_batch_size": 16, "num_generations": 4},
-           "methods": ["oblrpo", "grpo", "oblrpo-two-sided"]}
+           "methods": ["oblrpo-no-trust", "grpo", "oblrpo-two-sided"]}
 
 
 def parse_args(argv=None):
@@ -315,7 +322,7 @@ def smollm2_specs(args, methods, rates, seeds, steps, extra_config=None, tag="",
         for rate in rates:
             for method in methods:
                 overrides, schedule = SMOLLM2_METHODS[method]
-                if "lr_trust_region_kl" in (overrides or {}):
+                if (overrides or {}).get("lr_trust_region_kl") is PROBLEMS_DELTA:
                     overrides = {**overrides, "lr_trust_region_kl": problems["trust_region_kl"]}
                 config = {**learning.PRESETS["cpu"]["config"], **schedule, **(extra_config or {}),
                           **parse_overrides(args.overrides)}
@@ -383,7 +390,22 @@ def smollm2_grid(runs: list[dict], resamples: int) -> tuple[dict, dict] | None:
                                for m, rate in sorted({(r["method"], r["learning_rate"]) for r in beyond})},
                "steps": len(grid[0]["reward"]), "schedule": TRL_SCHEDULE,
                "problems": problems["title"]}
-    return grid_summary(smollm2_cells(grid, initial["accuracy"]), resamples), details
+    summary = grid_summary(smollm2_cells(grid, initial["accuracy"]), resamples)
+    twin = defaults_twin(problems)
+    if "oblrpo" not in summary["methods"] and twin in summary["methods"]:  # the defaults' runs, under their own name
+        summary["methods"]["oblrpo"] = {**summary["methods"][twin], "same_runs_as": twin}
+    return summary, details
+
+
+def defaults_twin(problems: dict) -> str | None:
+    """The trust-region method that runs OBLRPOConfig's defaults on ``problems`` (its δ and form are the defaults'),
+    so that the grid reports `oblrpo` without running the same configuration twice; None where δ differs."""
+    from oblr_trl import OBLRPOConfig
+
+    defaults = OBLRPOConfig.__dataclass_fields__
+    if problems["trust_region_kl"] != defaults["lr_trust_region_kl"].default:
+        return None
+    return f"oblrpo-trust-{defaults['lr_trust_region_mode'].default}"
 
 
 # --- report ----------------------------------------------------------------------------------------------------------
@@ -406,7 +428,8 @@ def cell_table(summary: dict, rates: list[float]) -> str:
                    f"{entry['at_grpo_best_minus_grpo_ci'][1]:+.3f}]" if "at_grpo_best_minus_grpo" in entry else "—")
         extra = (", ".join(f"{r:.3g}" for r in entry["collapses_where_grpo_does_not"]) or "none"
                  if "collapses_where_grpo_does_not" in entry else "—")
-        rows.append([method, *cells, regret, vs, at_best, extra])
+        name = f"{method} (= {entry['same_runs_as']}'s runs)" if "same_runs_as" in entry else method
+        rows.append([name, *cells, regret, vs, at_best, extra])
     return markdown_table(["method", *[f"lr {r:.3g}: final [CI] · collapsed · factor" for r in rates],
                            "regret [CI]", "regret − grpo [CI]", "at GRPO's best rate − grpo [CI]",
                            "collapsed where GRPO did not"], rows)
@@ -471,7 +494,7 @@ def plot_collapse(runs: list[dict], output_dir: Path) -> Path | None:
     rate = problems["best_rate"] * COLLAPSE["times_best"][problems["title"]]
     chosen = sorted((r for r in runs if r["seed"] == COLLAPSE["seed"] and math.isclose(r["learning_rate"], rate)
                      and r["method"] in SMOLLM2_METHODS), key=lambda r: r["method"])
-    if not any("trust" in r["method"] for r in chosen):
+    if not any(r["method"] in RATE_FOLLOWERS for r in chosen):
         return None
     figure, axes = new_figure(3, (16, 4.4))
     for index, r in enumerate(chosen):
@@ -620,7 +643,7 @@ def write_summary(args) -> None:
                      f"{quartiles[1]:.2e} / {quartiles[2]:.2e}, 90th percentile {deciles[-1]:.2e}. Chosen δ = "
                      f"{problems['trust_region_kl']:g} (the 90th percentile, rounded: the largest steps the best rate "
                      "takes while it learns).\n", ""]
-        trust_runs = [r for r in runs if "trust" in r["method"] or r["method"] == "oblrpo-paper"]
+        trust_runs = [r for r in runs if r["method"] in [*RATE_FOLLOWERS, "oblrpo-paper"]]
         if trust_runs:
             rows = [[r["method"], r["learning_rate"], r["seed"], r["accuracy"], learning.auc(r),
                      statistics.median(k for k in r["traces"]["oblr/step_kl"] if math.isfinite(k))
@@ -683,7 +706,10 @@ def main(argv=None) -> int:
     elif args.part in ("smollm2", "resolve", "delta", "transfer", "transfer-rate"):
         folder = runs_dir
         if args.part == "smollm2":
-            specs, initial = smollm2_specs(args, args.methods or SMOLLM2["methods"],
+            methods = args.methods or SMOLLM2["methods"]
+            if defaults_twin(PROBLEMS[args.problems]) in methods:  # the same configuration: run once, reported twice
+                methods = [m for m in methods if m != "oblrpo"]
+            specs, initial = smollm2_specs(args, methods,
                                            args.rates or PROBLEMS[args.problems]["grid"],
                                            args.seeds or SMOLLM2["seeds"], args.steps or SMOLLM2["steps"],
                                            problems=PROBLEMS[args.problems])

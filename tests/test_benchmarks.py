@@ -212,6 +212,54 @@ def test_stability_tables_never_mix_graders(tmp_path):
     assert [r["method"] for r in cached_runs(tmp_path)] == ["new"] and grader_warning(cached_runs(tmp_path)) == ""
 
 
+def test_a_cached_run_of_the_defaults_is_rerun_when_their_trust_region_changes(tmp_path):
+    """`oblrpo` names the defaults: a run cached before the trust region became one (no δ recorded, no override) is
+    not reused for it, while a run that recorded the default δ, GRPO's run and an explicit `None` are."""
+    sys.path.insert(0, str(BENCHMARKS))
+    from learning import current
+
+    from oblr_trl import OBLRPOConfig
+
+    default = OBLRPOConfig.__dataclass_fields__["lr_trust_region_kl"].default
+    assert default is not None
+
+    def cached(name, **fields):
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({"accuracy": 0.5, "grader": 2, **fields}))
+        return path
+
+    before = cached("before", method="oblrpo", overrides={})
+    assert not current(before, {"method": "oblrpo", "overrides": {}})
+    assert current(before, {"method": "oblrpo-no-trust", "overrides": {"lr_trust_region_kl": None}})
+    now = cached("now", method="oblrpo", overrides={}, lr_trust_region_kl=default)
+    assert current(now, {"method": "oblrpo", "overrides": {}})
+    assert current(cached("grpo", method="grpo", overrides=None), {"method": "grpo", "overrides": None})
+    explicit = cached("explicit", method="cap", overrides={"lr_trust_region_kl": 0.4})
+    assert current(explicit, {"overrides": {"lr_trust_region_kl": 0.4}})
+    assert not current(explicit, {"overrides": {"lr_trust_region_kl": default}})
+
+
+def test_the_grid_reports_the_defaults_from_the_trust_region_runs_that_are_them(tmp_path):
+    """Where a grid's δ and form are OBLRPOConfig's defaults, `oblrpo` in the summary is that method's cells (marked
+    as the same runs); where δ differs (a ± b's 0.4), `oblrpo` is absent rather than borrowed."""
+    sys.path.insert(0, str(BENCHMARKS))
+    from stability import A_PLUS_B, A_PLUS_MINUS_B, smollm2_grid
+
+    def runs(problems, method):
+        made = [{"method": "initial", "accuracy": 0.5, "problems": problems["title"], "learning_rate": 0.0, "seed": 0}]
+        for name in ("grpo", method):
+            for rate in problems["grid"][:2]:
+                made.append({"method": name, "learning_rate": rate, "seed": 0, "accuracy": 0.6, "reward": [0.5] * 3,
+                             "problems": problems["title"], "traces": {"snr/lr_factor": [1.0] * 3}})
+        return made
+
+    summary, _ = smollm2_grid(runs(A_PLUS_B, "oblrpo-trust-cap"), resamples=20)
+    assert summary["methods"]["oblrpo"]["same_runs_as"] == "oblrpo-trust-cap"
+    assert summary["methods"]["oblrpo"]["by_lr"] == summary["methods"]["oblrpo-trust-cap"]["by_lr"]
+    summary, _ = smollm2_grid(runs(A_PLUS_MINUS_B, "oblrpo-trust-cap"), resamples=20)
+    assert "oblrpo" not in summary["methods"]
+
+
 def test_stability_smoke(saved_tiny_model, tmp_path):
     """Both parts at a tiny size: the cells, the regret paired with grpo, and a resumed grid that repeats no run."""
     run("stability.py", "--part", "synthetic", "--methods", "grpo", "oblrpo", "--test_seeds", "3", "--steps", "4",
