@@ -24,8 +24,9 @@ Seven parts, each resumable and each writing into the one summary:
   without the trust region (`oblrpo-no-trust`, the defaults before 2026-11-26), the paper-literal factor, and the trust
   region of the step (`lr_trust_region_kl`, δ chosen by ``delta``) in both forms on GRPO's advantages and on
   OBLR-PO's. Where a grid's δ and form are the defaults' (a + b: the cap at 0.01), `oblrpo` is not run again: the
-  summary reports that trust-region method's runs under its name too. Each run is a fresh process kept under `results/stability/runs/` (committed,
-  so the grid can be completed across sessions: ``--methods``/``--rates``/``--seeds`` pick a part of it).
+  summary reports that trust-region method's runs under its name too. Each run is a fresh process kept under
+  `results/stability/runs/` (committed, so the grid can be completed across sessions: ``--methods``/``--rates``/
+  ``--seeds`` pick a part of it).
 * ``delta`` — the per-step KL of the defaults at the best rate on validation seeds and the validation split, from
   which δ is chosen.
 * ``transfer`` — the grid's δ, unchanged, on a second task, at GRPO's best rate there and 10× it, 3 paired seeds,
