@@ -398,6 +398,12 @@ def smollm2_grid(runs: list[dict], resamples: int) -> tuple[dict, dict] | None:
     return summary, details
 
 
+def grid_methods(methods: list[str], problems: dict) -> list[str]:
+    """``methods`` without `oblrpo` where its twin (`defaults_twin`) is among them: the same configuration is run once
+    and reported under both names."""
+    return [m for m in methods if m != "oblrpo"] if defaults_twin(problems) in methods else methods
+
+
 def defaults_twin(problems: dict) -> str | None:
     """The trust-region method that runs OBLRPOConfig's defaults on ``problems`` (its δ and form are the defaults'),
     so that the grid reports `oblrpo` without running the same configuration twice; None where δ differs."""
@@ -707,9 +713,7 @@ def main(argv=None) -> int:
     elif args.part in ("smollm2", "resolve", "delta", "transfer", "transfer-rate"):
         folder = runs_dir
         if args.part == "smollm2":
-            methods = args.methods or SMOLLM2["methods"]
-            if defaults_twin(PROBLEMS[args.problems]) in methods:  # the same configuration: run once, reported twice
-                methods = [m for m in methods if m != "oblrpo"]
+            methods = grid_methods(args.methods or SMOLLM2["methods"], PROBLEMS[args.problems])
             specs, initial = smollm2_specs(args, methods,
                                            args.rates or PROBLEMS[args.problems]["grid"],
                                            args.seeds or SMOLLM2["seeds"], args.steps or SMOLLM2["steps"],

@@ -258,6 +258,12 @@ def test_the_grid_reports_the_defaults_from_the_trust_region_runs_that_are_them(
     assert summary["methods"]["oblrpo"]["by_lr"] == summary["methods"]["oblrpo-trust-cap"]["by_lr"]
     summary, _ = smollm2_grid(runs(A_PLUS_MINUS_B, "oblrpo-trust-cap"), resamples=20)
     assert "oblrpo" not in summary["methods"]
+    # and the grid does not run the defaults twice under two names
+    from stability import grid_methods
+
+    assert grid_methods(["grpo", "oblrpo", "oblrpo-trust-cap"], A_PLUS_B) == ["grpo", "oblrpo-trust-cap"]
+    assert grid_methods(["grpo", "oblrpo", "oblrpo-trust-cap"], A_PLUS_MINUS_B) == ["grpo", "oblrpo", "oblrpo-trust-cap"]
+    assert grid_methods(["grpo", "oblrpo"], A_PLUS_B) == ["grpo", "oblrpo"]
 
 
 def test_stability_smoke(saved_tiny_model, tmp_path):
