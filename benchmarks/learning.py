@@ -224,7 +224,7 @@ def requested_trust_region(spec: dict) -> float | None:
         return None
     from oblr_trl import OBLRPOConfig
 
-    return spec["overrides"].get("lr_trust_region_kl", OBLRPOConfig.__dataclass_fields__["lr_trust_region_kl"].default)
+    return spec["overrides"].get("lr_trust_region_kl", OBLRPOConfig.lr_trust_region_kl)
 
 
 def current(path: Path, spec: dict) -> bool:

@@ -409,10 +409,9 @@ def defaults_twin(problems: dict) -> str | None:
     so that the grid reports `oblrpo` without running the same configuration twice; None where δ differs."""
     from oblr_trl import OBLRPOConfig
 
-    defaults = OBLRPOConfig.__dataclass_fields__
-    if problems["trust_region_kl"] != defaults["lr_trust_region_kl"].default:
+    if problems["trust_region_kl"] != OBLRPOConfig.lr_trust_region_kl:
         return None
-    return f"oblrpo-trust-{defaults['lr_trust_region_mode'].default}"
+    return f"oblrpo-trust-{OBLRPOConfig.lr_trust_region_mode}"
 
 
 # --- report ----------------------------------------------------------------------------------------------------------

@@ -220,7 +220,7 @@ def test_a_cached_run_of_the_defaults_is_rerun_when_their_trust_region_changes(t
 
     from oblr_trl import OBLRPOConfig
 
-    default = OBLRPOConfig.__dataclass_fields__["lr_trust_region_kl"].default
+    default = OBLRPOConfig.lr_trust_region_kl
     assert default is not None
 
     def cached(name, **fields):
