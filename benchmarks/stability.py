@@ -17,35 +17,34 @@ Seven parts, each resumable and each writing into the one summary:
 
 * ``synthetic`` — the testbed of `synthetic_learning.py` (exact gradients, 100 paired seeds, the trainer's own pure
   functions), every method under both schedules (`constant`, and TRL's `linear`), rates 0.1 (GRPO's best) … 3.
-* ``smollm2`` — SmolLM2-135M-Instruct on a ± b (the splits and runner of `learning.py`), TRL's default schedule,
-  rates 1e-5 … 1e-3 around 1e-4 (GRPO's best in the learning benchmark), paired seeds 0…4; or, with
-  ``--problems a+b``, on sums of operands 0…14, which the model learns within the budget under the fixed grader
-  (GRPO's best rate 1e-5, the grid 1e-6 … 1e-4; give it its own ``--output_dir``); GRPO, the defaults, the defaults
-  without the trust region (`oblrpo-no-trust`, the defaults before 2026-11-26), the paper-literal factor, and the trust
-  region of the step (`lr_trust_region_kl`, δ chosen by ``delta``) in both forms on GRPO's advantages and on
-  OBLR-PO's. Where a grid's δ and form are the defaults' (a + b: the cap at 0.01), `oblrpo` is not run again: the
-  summary reports that trust-region method's runs under its name too. Each run is a fresh process kept under
-  `results/stability/runs/` (committed, so the grid can be completed across sessions: ``--methods``/``--rates``/
-  ``--seeds`` pick a part of it).
+* ``smollm2`` — SmolLM2-135M-Instruct on sums a + b of operands 0…14 (the splits and runner of `learning.py`), which
+  the model learns within the budget under the fixed grader, TRL's default schedule, the grid symmetric around GRPO's
+  best rate 1e-5 (1e-6 … 1e-4), paired seeds 0…4; or, with ``--problems a±b``, on a ± b (rates 1e-5 … 1e-3 around
+  1e-4, GRPO's best in the learning benchmark; measured under the grader before 2026-11-25, kept in
+  `results/stability-a-pm-b/`). GRPO, the defaults, the defaults without the trust region (`oblrpo-no-trust`, the
+  defaults before 2026-11-26), the paper-literal factor, and the trust region of the step (`lr_trust_region_kl`, δ
+  chosen by ``delta``) in both forms on GRPO's advantages and on OBLR-PO's. Where a grid's δ and form are the
+  defaults' (a + b: the cap at 0.01), `oblrpo` is not run again: the summary reports that trust-region method's runs
+  under its name too. Each run is a fresh process kept under the problems' folder, `results/stability/runs/` for
+  a + b (committed, so the grid can be completed across sessions: ``--methods``/``--rates``/``--seeds`` pick a part
+  of it).
 * ``delta`` — the per-step KL of the defaults at the best rate on validation seeds and the validation split, from
   which δ is chosen.
 * ``transfer`` — the grid's δ, unchanged, on a second task, at GRPO's best rate there and 10× it, 3 paired seeds,
-  against GRPO: from a ± b the built-in `arithmetic` task's products with operands 0…24 (GRPO's best rate taken from
-  a ± b; `runs/transfer-multiplication/`), from a + b (``--problems a+b``) products of operands 0…14, with OBLR-PO +
-  cap and + target (`runs/transfer-products/`).
-* ``transfer-rate`` — GRPO's best rate on the second task, screened on validation seeds and the validation split
-  (``--problems a+b``).
-* ``resolve`` — one longer SmolLM2 configuration with more prompts a step, in which the calibration of the SNR
-  factor resolves, so the factor is seen acting on a real model (its trajectory is plotted).
+  against GRPO: from a + b products of operands 0…14, with OBLR-PO + cap and + target (`runs/transfer-products/`);
+  from a ± b (``--problems a±b``) the built-in `arithmetic` task's products with operands 0…24 (GRPO's best rate
+  taken from a ± b; `runs/transfer-multiplication/`).
+* ``transfer-rate`` — GRPO's best rate on a + b's second task, screened on validation seeds and the validation split.
+* ``resolve`` — one longer SmolLM2 configuration on a ± b with more prompts a step, in which the calibration of the
+  SNR factor resolves, so the factor is seen acting on a real model (its trajectory is plotted).
 
     python benchmarks/stability.py --part synthetic      # 48 cells of 100 seeds (33 min on 2 busy cores)
-    python benchmarks/stability.py --part smollm2        # 200 runs (7 min each on 2 idle cores), 2 at a time; resumes
-    python benchmarks/stability.py --part smollm2 --problems a+b --output_dir benchmarks/results/stability-sums
+    python benchmarks/stability.py --part smollm2        # a + b: 25 runs a method (7–15 min each), 2 at a time; resumes
     python benchmarks/stability.py --part delta          # 2 validation runs that choose δ
-    python benchmarks/stability.py --part transfer       # 18 runs on a × b and the untrained model; resumes
-    python benchmarks/stability.py --part transfer-rate --problems a+b --output_dir benchmarks/results/stability-sums
-    python benchmarks/stability.py --part transfer --problems a+b --output_dir benchmarks/results/stability-sums
-    python benchmarks/stability.py --part resolve        # 3 longer runs (16 completions × 60 steps); resumes
+    python benchmarks/stability.py --part transfer-rate  # GRPO's best rate on a × b (0…14), validation seeds
+    python benchmarks/stability.py --part transfer       # 9 runs on a × b and the untrained model; resumes
+    python benchmarks/stability.py --part smollm2 --problems a±b   # the a ± b grid (results/stability-a-pm-b/)
+    python benchmarks/stability.py --part resolve        # 3 longer runs on a ± b (16 completions × 60 steps); resumes
     python benchmarks/stability.py --part summary        # rewrite the summary from what has been run
 """
 
@@ -127,15 +126,17 @@ SMOLLM2 = {"methods": [REFERENCE, "oblrpo", "oblrpo-no-trust", "oblrpo-paper", "
 # decades, 4.1 nats a token at step 1 and 1e-10 once every group scores alike; 90th percentile 0.42), both measured
 # under the grader before 2026-11-25
 A_PLUS_MINUS_B = {"operators": "+-", "max_operand": learning.PRESETS["cpu"]["max_operand"], "data": "data",
-                  "title": "a ± b", "eval_problems": 200, "best_rate": 1e-4, "trust_region_kl": 0.4,
+                  "title": "a ± b", "folder": "stability-a-pm-b", "eval_problems": 200, "best_rate": 1e-4, "trust_region_kl": 0.4,
                   "grid": [1e-5, 3e-5, 1e-4, 3e-4, 1e-3]}
 # sums of operands 0…14, which SmolLM2 learns within the grid's budget under the strict grader (on a ± b, 40 steps of
 # GRPO moved no rate more than 0.08 above the untrained model); 225 problems: 60 test, 60 validation, 105 training.
 # GRPO's best rate 1e-5 (the screen on seeds 0, 1 over 3e-6 … 3e-4: 0.833, against 0.650 at 3e-6 and 0.642 at 3e-5);
 # δ = 0.01 (validation seeds 10, 11: per-step KL quartiles 1.5e-4 / 9.2e-4 / 2.5e-3, 90th percentile 0.0086)
-A_PLUS_B = {"operators": "+", "max_operand": 14, "data": "data-sums", "title": "a + b", "eval_problems": 60,
+A_PLUS_B = {"operators": "+", "max_operand": 14, "data": "data-sums", "title": "a + b", "folder": "stability",
+            "eval_problems": 60,
             "best_rate": 1e-5, "trust_region_kl": 0.01, "grid": [1e-6, 3e-6, 1e-5, 3e-5, 1e-4]}
-PROBLEMS = {"a±b": A_PLUS_MINUS_B, "a+b": A_PLUS_B}
+PROBLEMS = {"a±b": A_PLUS_MINUS_B, "a+b": A_PLUS_B}  # a + b's grid decides (a ± b's cannot: the model barely
+# learns it in the budget under the fixed grader), so its folder is the benchmark's `results/stability/`
 for _form in ("cap", "target"):  # a + b's δ, unchanged, on the testbed: what it costs where the rate is right
     SYNTHETIC_METHODS[f"oblrpo-trust-{_form}"] = replace(
         DEFAULT, trust_region_kl=A_PLUS_B["trust_region_kl"], trust_region_mode=_form,
@@ -160,7 +161,7 @@ TRANSFERS = {
 TRANSFER = {"seeds": [0, 1, 2], "steps": 40, "rate_seeds": [10, 11]}
 # more prompts a step and a longer run, so that the calibration window resolves
 RESOLVE = {"rate": 3e-5, "seed": 0, "steps": 60, "config": {"per_device_train_batch_size": 16, "num_generations": 4},
-           "methods": ["oblrpo-no-trust", "grpo", "oblrpo-two-sided"]}
+           "methods": ["oblrpo-no-trust", "grpo", "oblrpo-two-sided"], "problems": "a±b"}
 
 
 def parse_args(argv=None):
@@ -177,9 +178,9 @@ def parse_args(argv=None):
     parser.add_argument("--test_seeds", type=int, default=100, help="synthetic: paired seeds")
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default: the part's)")
     parser.add_argument("--model", default="builtin:smollm2-135m-instruct")
-    parser.add_argument("--problems", choices=list(PROBLEMS), default="a±b",
-                        help="the grid's problems (smollm2, delta; give each its own --output_dir), or the grid "
-                        "whose δ a transfer carries (transfer, transfer-rate)")
+    parser.add_argument("--problems", choices=list(PROBLEMS), default="a+b",
+                        help="the grid's problems (smollm2, delta), or the grid whose δ a transfer carries (transfer, "
+                        "transfer-rate); each has its own folder")
     parser.add_argument("--eval_problems", type=int, default=None,
                         help="problems in each of test and validation (default: the problems')")
     parser.add_argument("--jobs", type=int, default=SMOLLM2["jobs"])
@@ -187,8 +188,14 @@ def parse_args(argv=None):
                         help="override a config field of every SmolLM2 run, e.g. --set use_cpu=false on a GPU (give "
                         "such runs their own --output_dir: cells pair runs of one machine only)")
     parser.add_argument("--bootstrap", type=int, default=10_000)
-    parser.add_argument("--output_dir", default=str(RESULTS / "stability"))
-    return parser.parse_args(argv)
+    parser.add_argument("--output_dir", default=None,
+                        help="default: the problems' folder under benchmarks/results (a + b: stability/, a ± b: "
+                        "stability-a-pm-b/; resolve runs on a ± b)")
+    args = parser.parse_args(argv)
+    if args.output_dir is None:
+        problems = RESOLVE["problems"] if args.part == "resolve" else args.problems
+        args.output_dir = str(RESULTS / PROBLEMS[problems]["folder"])
+    return args
 
 
 def grid_summary(cells: dict[str, dict[float, list[dict]]], resamples: int) -> dict:
@@ -310,7 +317,7 @@ def run_synthetic(args) -> dict:
 
 
 # --- SmolLM2 parts ---------------------------------------------------------------------------------------------------
-def smollm2_specs(args, methods, rates, seeds, steps, extra_config=None, tag="", split="test", problems=A_PLUS_MINUS_B):
+def smollm2_specs(args, methods, rates, seeds, steps, *, problems, extra_config=None, tag="", split="test"):
     splits = learning.problem_splits(problems["max_operand"], args.eval_problems or problems["eval_problems"],
                                      operators=problems["operators"])
     paths = learning.write_splits(splits, Path(args.output_dir) / problems["data"])
@@ -738,7 +745,8 @@ def main(argv=None) -> int:
         else:
             specs, initial = smollm2_specs(args, args.methods or RESOLVE["methods"], args.rates or [RESOLVE["rate"]],
                                            args.seeds or [RESOLVE["seed"]], args.steps or RESOLVE["steps"],
-                                           RESOLVE["config"], resolve_tag())
+                                           problems=PROBLEMS[RESOLVE["problems"]], extra_config=RESOLVE["config"],
+                                           tag=resolve_tag())
         # each run is a `learning.py --child`; the untrained model's accuracy beside the first runs
         learning.run_all([initial, *specs], folder, f"{args.part} runs", args.jobs)
     write_summary(args)

@@ -266,11 +266,27 @@ def test_the_grid_reports_the_defaults_from_the_trust_region_runs_that_are_them(
     assert grid_methods(["grpo", "oblrpo"], A_PLUS_B) == ["grpo", "oblrpo"]
 
 
+def test_each_problem_set_has_its_own_results_folder_and_a_plus_b_decides():
+    """Without --output_dir a part writes to its problems' folder, so that a grid never mixes problem sets: a + b (the
+    default, the grid issue 26 is decided on) in results/stability/, a ± b and the resolve runs (on a ± b) in
+    results/stability-a-pm-b/."""
+    sys.path.insert(0, str(BENCHMARKS))
+    from stability import parse_args
+
+    assert parse_args(["--part", "smollm2"]).output_dir == str(BENCHMARKS / "results" / "stability")
+    assert parse_args(["--part", "smollm2"]).problems == "a+b"
+    assert parse_args(["--part", "smollm2", "--problems", "a±b"]).output_dir == str(
+        BENCHMARKS / "results" / "stability-a-pm-b")
+    assert parse_args(["--part", "resolve"]).output_dir == str(BENCHMARKS / "results" / "stability-a-pm-b")
+    assert parse_args(["--part", "smollm2", "--output_dir", "elsewhere"]).output_dir == "elsewhere"
+
+
 def test_stability_smoke(saved_tiny_model, tmp_path):
     """Both parts at a tiny size: the cells, the regret paired with grpo, and a resumed grid that repeats no run."""
     run("stability.py", "--part", "synthetic", "--methods", "grpo", "oblrpo", "--test_seeds", "3", "--steps", "4",
         "--rates", "0.1", "1", "--bootstrap", "50", "--output_dir", str(tmp_path))
-    smollm2 = ["--part", "smollm2", "--model", str(saved_tiny_model), "--methods", "grpo", "oblrpo", "--seeds", "0",
+    smollm2 = ["--part", "smollm2", "--problems", "a±b", "--model", str(saved_tiny_model), "--methods", "grpo",
+               "oblrpo", "--seeds", "0",
                "--rates", "1e-4", "1e-3", "--steps", "1", "--eval_problems", "4", "--bootstrap", "50",
                "--output_dir", str(tmp_path)]
     out = run("stability.py", *smollm2)
@@ -307,7 +323,7 @@ def test_stability_smoke(saved_tiny_model, tmp_path):
     resolve = json.loads((tmp_path / "summary.json").read_text())["resolve"]
     assert sorted(r["method"].split("@")[0] for r in resolve) == ["grpo", "oblrpo"]
     assert all(len(r["lr_factor"]) == 1 for r in resolve) and "t: largest / last" in out
-    tiny = ["--model", str(saved_tiny_model), "--seeds", "10", "--rates", "1e-4", "--steps", "2", "--eval_problems", "4",
+    tiny = ["--problems", "a±b", "--model", str(saved_tiny_model), "--seeds", "10", "--rates", "1e-4", "--steps", "2", "--eval_problems", "4",
             "--bootstrap", "50", "--output_dir", str(tmp_path)]
     run("stability.py", "--part", "delta", *tiny)  # δ of the trust region from validation runs
     out = run("stability.py", "--part", "smollm2", "--methods", "oblrpo-trust-cap", "grpo-trust-target", *tiny,
@@ -331,7 +347,7 @@ def test_stability_smoke(saved_tiny_model, tmp_path):
     assert "## Transfer: δ = 0.4" in out
     # the grid on another task's problems, in its own folder
     sums = tmp_path / "sums"
-    out = run("stability.py", "--part", "smollm2", "--problems", "a+b", "--methods", "grpo", *tiny, "--seeds", "0",
+    out = run("stability.py", "--part", "smollm2", *tiny, "--problems", "a+b", "--methods", "grpo", "--seeds", "0",
               "--rates", "1e-4", "3e-4", "--output_dir", str(sums))
     questions = [json.loads(line)["question"] for line in (sums / "data-sums" / "test.jsonl").open()]
     assert len(questions) == 4 and all(" + " in q for q in questions)
