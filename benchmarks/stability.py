@@ -689,13 +689,27 @@ def write_summary(args) -> None:
         sets.append(("synthetic testbed", summary, data["rates"]))
         markdown += [f"## Synthetic testbed ({len(data['seeds'])} paired seeds, {data['task']['steps']} steps; "
                      "methods without a suffix use TRL's linear schedule, `-constant` a constant rate)\n",
-                     cell_table(summary, data["rates"]), ""]
+                     synthetic_defaults_line(), cell_table(summary, data["rates"]), ""]
     if not sets and not resolve_runs:
         raise SystemExit("nothing has been run yet: run --part synthetic, smollm2 or resolve first")
     figure = plot(sets, resolve_runs, output_dir)
     write_results(output_dir, "summary", results, "\n".join(markdown))
     print("\n".join(markdown))
     print(f"wrote {output_dir / 'summary.json'} and {figure}")
+
+
+def synthetic_defaults_line() -> str:
+    """Which testbed method is OBLRPOConfig's defaults, where `oblrpo` there is not (the testbed's `oblrpo` is the
+    defaults before the trust region became one: its cells were measured then and kept under that name)."""
+    from oblr_trl import OBLRPOConfig
+
+    defaults = (OBLRPOConfig.lr_trust_region_kl, OBLRPOConfig.lr_trust_region_mode)
+    if (DEFAULT.trust_region_kl, DEFAULT.trust_region_mode) == defaults:
+        return ""
+    twin = next((name for name, m in SYNTHETIC_METHODS.items() if (m.trust_region_kl, m.trust_region_mode) == defaults),
+                "none of them")
+    return (f"Here `oblrpo` is OBLR-PO's defaults without the trust region (before 2026-11-26); today's defaults "
+            f"(δ = {defaults[0]:g}, {defaults[1]}) are `{twin}`.\n")
 
 
 def resolve_tag() -> str:
