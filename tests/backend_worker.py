@@ -1,15 +1,19 @@
-"""One short training run under a real backend, for `test_gpu.py`:
+"""One short training run under a real backend, for `test_gpu.py` and its CPU twin `test_backend_rates.py`:
 
     accelerate launch --config_file recipes/accelerate_configs/zero3.yaml --num_processes 1 tests/backend_worker.py OUT
+    FSDP2=1 torchrun --nproc_per_node 2 tests/backend_worker.py OUT      # 2 CPU processes, FSDP2 on gloo
 
-The factor is read as 'absolute' (the paper's, in [snr_lr_floor, 1]) so that it acts within the run's 4 steps; the
-default calibrated reference stays at 1 until its window of 20 steps resolves. Everything else is the defaults.
+The SNR factor is read as 'absolute' (the paper's, in [snr_lr_floor, 1]) so that it acts within the run's 4 steps; the
+default calibrated reference stays at 1 until its window of 20 steps resolves. Everything else is the defaults,
+the trust region's cap included.
 
 Records, for every call of the innermost torch optimizer's `step` (DeepSpeed's ZeRO optimizers call it once per
 param group), the learning rate it actually used (read by a step pre-hook registered after the trainer's), the
-scheduled rate and factor the trainer applied, and whether the
-parameters that optimizer holds (gathered from ZeRO-3's partitions) changed and stayed finite. Rank 0 writes
-them to OUT as JSON.
+scheduled rate, the factor the trainer applied and its two parts (SNR and trust region), and whether the
+parameters that optimizer holds (gathered from ZeRO-3's partitions, FSDP2's shards) changed and stayed finite. Rank 0
+writes them to OUT as JSON. With FSDP2=1 the worker asks the Trainer for FSDP2 itself (what the shipped fsdp.yaml asks
+of `accelerate launch`); on a CPU accelerate would quietly run DDP where FSDP is asked for, and `allow_fsdp_on_cpu`
+lifts that refusal, so the run is FSDP2 there too.
 """
 
 import json
@@ -20,12 +24,17 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
 
 import torch  # noqa: E402
+from accelerate import PartialState  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
 from oblr_trl import OBLRPOConfig, OBLRPOTrainer  # noqa: E402
 from oblr_trl.optim_hooks import innermost_optimizer  # noqa: E402
-from oblr_trl.testing import tiny_causal_lm, tiny_tokenizer  # noqa: E402
+from oblr_trl.testing import allow_fsdp_on_cpu, tiny_causal_lm, tiny_tokenizer  # noqa: E402
+
+if not torch.cuda.is_available():
+    torch.set_num_threads(1)  # the processes share the machine's cores
+    allow_fsdp_on_cpu()
 
 
 def digit_fraction_reward(completions, **kwargs):
@@ -44,6 +53,8 @@ class StepRecorder(TrainerCallback):
     def _snapshot(self):
         # the full weights, gathered from ZeRO-3's partitions where they are sharded
         state = self.trainer.accelerator.get_state_dict(self.trainer.model_wrapped)
+        if not state:  # FSDP2 gathers the full state on rank 0 only; the other ranks write nothing
+            return torch.zeros(0)
         return torch.cat([value.detach().float().flatten().cpu() for value in state.values()])
 
     def on_step_begin(self, args, state, control, **kwargs):
@@ -52,11 +63,12 @@ class StepRecorder(TrainerCallback):
             optimizer.register_step_pre_hook(self._record_lr)
             self.hooked = optimizer
             self.initial = self._snapshot()
-            scale = self.trainer.step_control.lr_scale
+            control = self.trainer.step_control
+            scale = control.lr_scale
             log = scale.on_scaled
 
             def recording_log(scheduled, factor):
-                self.logged.append((scheduled, factor))
+                self.logged.append((scheduled, factor, control.snr_part, control.trust_part))
                 log(scheduled, factor)
 
             scale.on_scaled = recording_log
@@ -71,7 +83,10 @@ def main(out: str) -> None:
         gradient_accumulation_steps=2, num_generations=4, max_completion_length=8, max_steps=4, learning_rate=1e-2,
         generation_kwargs={"sequence_bias": [[[1], 3.0]]}, lr_scheduler_type="linear", snr_warmup_steps=0,
         snr_ema_decay=0.0, snr_lr_reference="absolute", logging_steps=1, report_to="none",
-        save_strategy="no", bf16=torch.cuda.is_available(), baseline_weights=os.environ.get("WEIGHTS", "logit"),
+        save_strategy="no", bf16=torch.cuda.is_available(), use_cpu=not torch.cuda.is_available(),
+        baseline_weights=os.environ.get("WEIGHTS", "logit"),
+        **(dict(fsdp="full_shard", fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
+                                               "reshard_after_forward": True}) if os.environ.get("FSDP2") else {}),
     )
     recorder = StepRecorder()
     trainer = OBLRPOTrainer(model=model, reward_funcs=digit_fraction_reward, args=args,
@@ -89,11 +104,17 @@ def main(out: str) -> None:
                 "used_lrs": recorder.used_lrs,
                 "logged": recorder.logged,
                 "floor": args.snr_lr_floor,
+                "trust_region": {"kl": args.lr_trust_region_kl, "mode": args.lr_trust_region_mode,
+                                 "min_ratio": args.lr_trust_region_min_ratio,
+                                 "max_ratio": args.lr_trust_region_max_ratio},
                 "params_changed": bool((final != recorder.initial).any()),
                 "params_finite": bool(final.isfinite().all()),
                 "log_history": trainer.state.log_history,
             }, f)
-    trainer.accelerator.end_training()  # the process group destroyed while Python is whole, not at its exit
+    trainer.accelerator.end_training()
+    # the process group destroyed while Python is whole: left to interpreter exit, gloo's worker threads can outlive
+    # Python and abort a run that succeeded (SIGABRT)
+    PartialState().destroy_process_group()
 
 
 if __name__ == "__main__":
