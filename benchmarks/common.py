@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
@@ -83,9 +84,11 @@ def markdown_table(headers: list[str], rows: list[list]) -> str:
 
 
 def build_trainer(
-    model: str, overrides: dict | None, config: dict, peft: dict | None, train_dataset, callbacks=(), trainer_cls=None
+    model: str, overrides: dict | None, config: dict, peft: dict | None, train_dataset, callbacks=(), trainer_cls=None,
+    reward_funcs=None,
 ):
-    """TRL's GRPOTrainer (``overrides`` is None) or OBLRPOTrainer (or ``trainer_cls``) with ``config`` + ``overrides``."""
+    """TRL's GRPOTrainer (``overrides`` is None) or OBLRPOTrainer (or ``trainer_cls``) with ``config`` + ``overrides``;
+    the reward is the graded accuracy unless ``reward_funcs`` says otherwise."""
     import torch
     from trl import GRPOConfig, GRPOTrainer
 
@@ -103,8 +106,15 @@ def build_trainer(
         from peft import LoraConfig
 
         peft_config = LoraConfig(**peft)
-    return trainer_cls(model=resolve_model(model), reward_funcs=accuracy_reward, args=config_cls(**config),
+    return trainer_cls(model=resolve_model(model), reward_funcs=reward_funcs or accuracy_reward, args=config_cls(**config),
                        train_dataset=train_dataset, callbacks=list(callbacks), peft_config=peft_config)
+
+
+def text_hash_parity_reward(completions, **kwargs) -> list[float]:
+    """1 or 0 by the parity of a hash of the completion's text: a reward that varies per completion whatever the model
+    (a random one included), so that groups carry a signal and every variant computes the same advantages' work."""
+    texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
+    return [float(hashlib.sha256(text.encode()).digest()[0] % 2) for text in texts]
 
 
 def run_in_subprocesses(script: str, specs: list[dict], description: str, jobs: int = 1, on_result=None,

@@ -9,10 +9,22 @@ alternating puts every variant first equally often. Per run, the median of the t
 variant, the median over runs, and the paired ratio to GRPO in each repeat: its mean with a 95 % bootstrap interval
 over repeats (and min–max). Peak memory: resident set size (CPU, per process) or peak allocated (GPU).
 
+Generation is timed inside every step (TRL's `_generate_single_turn`, synchronised on a GPU), so each step splits into
+generation and the **trainer's own part** (step minus generation): what a vLLM user pays, since vLLM makes generation
+several times cheaper than transformers' `generate` and would leave the trainer's part as most of the step. Both are
+reported as paired ratios to GRPO like the whole step. Whatever OBLR-PO adds around generation (reading the logit
+proxy off the logits) counts in the trainer's part.
+
     python benchmarks/overhead.py                       # quickstart size on CPU
     python benchmarks/overhead.py --max_completion_length 128 --name overhead_long
     python benchmarks/overhead.py --fsdp2_cpu_processes 2 --variants grpo oblrpo --name overhead_fsdp2_cpu
-    python benchmarks/overhead.py --preset gpu          # Qwen3-4B-Base, LoRA, one GPU
+    python benchmarks/overhead.py --preset gpu --name overhead_gpu   # one GPU, nothing from the Hub (below)
+    python benchmarks/overhead.py --preset gpu-vllm     # Qwen3-4B-Base, LoRA, vLLM colocate (needs the Hub and vLLM)
+
+The `gpu` preset needs nothing from the Hub: a randomly initialised model of SmolLM2-1.7B's shape with SmolLM2's
+tokenizer (`random_model.py`, built once under the results folder), full fine-tuning in bf16 with gradient
+checkpointing, transformers' `generate`, 8 prompts × 8 completions of 64 tokens a step, and a reward that varies per
+completion (the parity of a hash of its text), so that every group carries a signal for every variant alike.
 
 ``--fsdp2_cpu_processes N`` runs every variant (GRPO included) under the same FSDP2 wrapping over N CPU processes
 (torchrun, gloo, accelerate's own `fsdp2_prepare_model`; `oblr_trl.testing.allow_fsdp_on_cpu` lifts accelerate's
@@ -40,6 +52,7 @@ from common import (  # noqa: E402
     parse_overrides,
     run_in_subprocesses,
     save_figure,
+    text_hash_parity_reward,
     write_results,
 )
 
@@ -55,7 +68,12 @@ VARIANTS = {
     # the defaults without the trust region's rule, measuring each step's KL (one no-grad forward a step)
     "oblrpo-step-kl": {"lr_trust_region_kl": None, "log_step_kl": True},
     "oblrpo-trust-region": {"lr_trust_region_kl": 1e-3},
+    # the defaults with the step's KL measured on 2 of its completions (lr_trust_region_sample_size)
+    "oblrpo-kl-sample-2": {"lr_trust_region_sample_size": 2},
 }
+# OBLR-PO's own phases, timed inside each step (seconds a step): the trust region's measuring forward and the weights
+PHASES = {"step_kl": ("oblr_trl.step_kl", "StepKLRecorder", "after_step"),
+          "weights": ("oblr_trl.completion_weights", "CompletionWeights", "compute")}
 PRESETS = {
     "cpu": {
         "model": "builtin:smollm2-135m-instruct",
@@ -65,6 +83,15 @@ PRESETS = {
         "decoder_layer": "LlamaDecoderLayer",  # what FSDP2 shards as one unit (SmolLM2 is a Llama)
     },
     "gpu": {
+        "model": "random:smollm2-1.7b",
+        "config": dict(per_device_train_batch_size=16, gradient_accumulation_steps=4, num_generations=8,
+                       learning_rate=1e-5, gradient_checkpointing=True, bf16=True),
+        "peft": None,
+        "decoder_layer": "LlamaDecoderLayer",
+        "reward": "text_hash_parity_reward",
+        "max_completion_length": 64,
+    },
+    "gpu-vllm": {
         "model": "Qwen/Qwen3-4B-Base",
         "config": dict(per_device_train_batch_size=16, gradient_accumulation_steps=8, num_generations=8,
                        learning_rate=1e-5, gradient_checkpointing=True, bf16=True, use_vllm=True,
@@ -85,7 +112,8 @@ def parse_args(argv=None):
     parser.add_argument("--repeats", type=int, default=8, help="repeats of every variant, the order alternating")
     parser.add_argument("--steps", type=int, default=6, help="timed optimizer steps per run")
     parser.add_argument("--warmup_steps", type=int, default=1, help="untimed optimizer steps first")
-    parser.add_argument("--max_completion_length", type=int, default=24)
+    parser.add_argument("--max_completion_length", type=int, default=None,
+                        help="completion length (fixed); default: the preset's (24 on CPU)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--fsdp2_cpu_processes", type=int, default=0,
                         help="run every variant under FSDP2 over this many CPU processes (0: one process, no FSDP)")
@@ -131,6 +159,72 @@ class PeakMemory:
             self.peak = max(self.peak, self.process.memory_info().rss)
 
 
+def resolve_benchmark_model(model: str, output_dir: Path) -> str:
+    """``random:<shape>`` as a folder holding a randomly initialised model of that shape with the built-in SmolLM2
+    tokenizer (built once, under ``output_dir/runs``); anything else as the trainer would read it."""
+    if not model.startswith("random:"):
+        return model
+    import random_model
+    from oblr_trl.models import resolve_model
+
+    shape = model[len("random:"):]
+    folder = output_dir / "runs" / f"random-{shape}"
+    if not (folder / "config.json").exists():
+        random_model.build(shape, resolve_model("builtin:smollm2-135m-instruct"), str(folder))
+    return str(folder)
+
+
+class PhaseTimer:
+    """Seconds spent in one method of a class (a phase of OBLR-PO's step), synchronised with the GPU."""
+
+    def __init__(self, module: str, owner: str, method: str, sync):
+        import importlib
+
+        cls = getattr(importlib.import_module(module), owner)
+        original, self.seconds = getattr(cls, method), 0.0
+
+        def timed(*args, **kwargs):
+            sync()
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                sync()
+                self.seconds += time.perf_counter() - start
+
+        setattr(cls, method, timed)  # this child process trains one variant, then exits
+
+
+class GenerationTimer:
+    """Seconds spent in TRL's generation (`GRPOTrainer._generate_single_turn`, the same method for every variant),
+    synchronised with the GPU so that queued kernels count where they ran."""
+
+    def __init__(self):
+        import torch
+        from trl import GRPOTrainer
+
+        self.seconds = 0.0
+        self.cuda = torch.cuda.is_available()
+        generate = GRPOTrainer._generate_single_turn
+
+        def timed(trainer, *args, **kwargs):
+            self._sync()
+            start = time.perf_counter()
+            try:
+                return generate(trainer, *args, **kwargs)
+            finally:
+                self._sync()
+                self.seconds += time.perf_counter() - start
+
+        GRPOTrainer._generate_single_turn = timed  # this child process trains one variant, then exits
+
+    def _sync(self):
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize()
+
+
 def naive_exact_trainer():
     """OBLRPOTrainer whose `exact` weights come from one forward and backward per completion (the trainer's own
     fallback for layers without a ghost-norm rule, one completion at a time), as the only public implementation of the
@@ -166,33 +260,48 @@ def run_child(spec: dict) -> dict:
                                                  "transformer_layer_cls_to_wrap": [preset["decoder_layer"]]}}
     task = load_task("arithmetic", "train", TaskOptions(num_problems=200, seed=spec["seed"]))
     length = spec["max_completion_length"]
+    reward = {"text_hash_parity_reward": text_hash_parity_reward}.get(preset.get("reward"))
     min_tokens = "min_tokens" if config.get("use_vllm") else "min_new_tokens"  # vLLM's name / transformers'
     common = dict(
         output_dir=spec["output_dir"], max_steps=spec["warmup_steps"] + spec["steps"], max_completion_length=length,
         generation_kwargs={min_tokens: length}, logging_steps=1, save_strategy="no", report_to=[],
         seed=spec["seed"], **config,
     )
-    times = []
+    times, generation_times = [], []
+    generation = GenerationTimer()
+    phases = {name: PhaseTimer(*where, generation._sync) for name, where in PHASES.items()}
+    phase_times = {name: [] for name in phases}
 
     class StepTimer(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
-            self.start = time.perf_counter()
+            generation._sync()
+            self.start, self.generated = time.perf_counter(), generation.seconds
+            self.phases = {name: timer.seconds for name, timer in phases.items()}
 
         def on_step_end(self, args, state, control, **kwargs):
+            generation._sync()
             times.append(time.perf_counter() - self.start)
+            generation_times.append(generation.seconds - self.generated)
+            for name, timer in phases.items():
+                phase_times[name].append(timer.seconds - self.phases[name])
 
-    trainer = build_trainer(spec["model"] or preset["model"], VARIANTS[spec["variant"]], common, preset["peft"], task,
-                            callbacks=[StepTimer()],
+    trainer = build_trainer(spec["model"], VARIANTS[spec["variant"]], common, preset["peft"], task,
+                            callbacks=[StepTimer()], reward_funcs=reward,
                             trainer_cls=naive_exact_trainer() if spec["variant"] == "exact-naive" else None)
     if spec["fsdp2"]:
         torch.set_num_threads(1)  # one per process: the processes share the machine's cores
     with PeakMemory() as memory:
         trainer.train()
-    timed = times[spec["warmup_steps"]:]
+    timed, generating = times[spec["warmup_steps"]:], generation_times[spec["warmup_steps"]:]
+    trainer_part = [step - gen for step, gen in zip(timed, generating, strict=True)]
     return {"variant": spec["variant"], "repeat": spec["repeat"], "position": spec["position"],
             "num_generations": trainer.args.num_generations, "processes": trainer.accelerator.num_processes,
             "distributed_type": str(trainer.accelerator.distributed_type), "step_seconds": timed,
-            "median_step_seconds": statistics.median(timed), "peak_memory_bytes": memory.peak}
+            "generation_seconds": generating, "median_step_seconds": statistics.median(timed),
+            "median_generation_seconds": statistics.median(generating),
+            "median_trainer_seconds": statistics.median(trainer_part), "peak_memory_bytes": memory.peak,
+            **{f"median_{name}_seconds": statistics.median(seconds[spec["warmup_steps"]:])
+               for name, seconds in phase_times.items()}}
 
 
 def balanced_order(variants: list[str], repeat: int) -> list[str]:
@@ -209,41 +318,57 @@ def summarise(runs: list[dict], variants: list[str]) -> list[dict]:
         medians = [r["median_step_seconds"] for r in results]
         memory = [r["peak_memory_bytes"] for r in results]
         row = {"variant": variant, "median_step_seconds": statistics.median(medians), "min": min(medians),
-               "max": max(medians), "peak_memory_mib": statistics.median(memory) / 2**20}
+               "max": max(medians), "peak_memory_mib": statistics.median(memory) / 2**20,
+               "median_generation_seconds": statistics.median(r["median_generation_seconds"] for r in results),
+               "median_trainer_seconds": statistics.median(r["median_trainer_seconds"] for r in results),
+               **{f"median_{name}_seconds": statistics.median(r[f"median_{name}_seconds"] for r in results)
+                  for name in PHASES}}
         if reference:
-            time_ratios = [r["median_step_seconds"] / g["median_step_seconds"] for r, g in zip(results, reference)]
-            memory_ratios = [r["peak_memory_bytes"] / g["peak_memory_bytes"] for r, g in zip(results, reference)]
+            def paired(key):
+                return [r[key] / g[key] for r, g in zip(results, reference, strict=True)]
+
+            time_ratios, memory_ratios = paired("median_step_seconds"), paired("peak_memory_bytes")
+            trainer_ratios, generation_ratios = paired("median_trainer_seconds"), paired("median_generation_seconds")
             row |= {"time_ratio": statistics.median(time_ratios), "time_ratio_min": min(time_ratios),
                     "time_ratio_max": max(time_ratios), "time_ratio_mean": statistics.fmean(time_ratios),
                     "time_ratio_ci": bootstrap_ci(time_ratios), "memory_ratio": statistics.median(memory_ratios),
-                    "memory_ratio_min": min(memory_ratios), "memory_ratio_max": max(memory_ratios)}
+                    "memory_ratio_min": min(memory_ratios), "memory_ratio_max": max(memory_ratios),
+                    "trainer_ratio_mean": statistics.fmean(trainer_ratios), "trainer_ratio_ci": bootstrap_ci(trainer_ratios),
+                    "trainer_ratio_min": min(trainer_ratios), "trainer_ratio_max": max(trainer_ratios),
+                    "generation_ratio_mean": statistics.fmean(generation_ratios)}
         rows.append(row)
     return rows
 
 
 def plot(rows, output_dir, name):
-    figure, axes = new_figure(2, (13, 4.5))
+    figure, axes = new_figure(3, (18, 4.5))
     labels = [r["variant"] for r in rows]
-    panels = ((axes[0], "time", "time per optimizer step", "÷ GRPOTrainer (paired mean, 95 % interval)"),
-              (axes[1], "memory", "peak memory", "÷ GRPOTrainer (median, min–max over repeats)"))
-    for axis, key, title, label in panels:
-        if key == "time":
-            values = [r.get("time_ratio_mean", float("nan")) for r in rows]
-            low = [r.get("time_ratio_ci", [v, v])[0] for v, r in zip(values, rows)]
-            high = [r.get("time_ratio_ci", [v, v])[1] for v, r in zip(values, rows)]
+    panels = ((axes[0], "time_ratio_mean", "time_ratio_ci", "whole optimizer step",
+               "÷ GRPOTrainer (paired mean, 95 % interval)", 1.02),
+              (axes[1], "trainer_ratio_mean", "trainer_ratio_ci", "trainer's own part (step minus generation)",
+               "÷ GRPOTrainer (paired mean, 95 % interval)", 1.05),
+              (axes[2], "memory_ratio", None, "peak memory", "÷ GRPOTrainer (median, min–max over repeats)", 1.01))
+    for axis, key, interval, title, label, bar in panels:
+        values = [r.get(key, float("nan")) for r in rows]
+        if interval is not None:
+            low = [r.get(interval, [v, v])[0] for v, r in zip(values, rows)]
+            high = [r.get(interval, [v, v])[1] for v, r in zip(values, rows)]
         else:
-            values = [r.get("memory_ratio", float("nan")) for r in rows]
             low = [r.get("memory_ratio_min", v) for v, r in zip(values, rows)]
             high = [r.get("memory_ratio_max", v) for v, r in zip(values, rows)]
         errors = [[max(0.0, v - lo) for v, lo in zip(values, low)], [max(0.0, hi - v) for v, hi in zip(values, high)]]
         axis.bar(labels, values, yerr=errors, capsize=4)
         axis.axhline(1.0, color="black", lw=0.8)
-        axis.axhline(1.05, color="red", lw=0.8, ls="--", label="1.05× bar (default mode)")
+        axis.axhline(bar, color="red", lw=0.8, ls="--", label=f"{bar:g}× bar (default mode)")
         axis.set_ylabel(label)
         axis.set_title(title)
         axis.tick_params(axis="x", rotation=30)
         axis.legend()
     return save_figure(figure, output_dir, name)
+
+
+def interval(row: dict, key: str) -> str:
+    return "[{:.3f}, {:.3f}]".format(*row.get(key, [float("nan")] * 2))
 
 
 def main(argv=None):
@@ -252,10 +377,13 @@ def main(argv=None):
         return child_main(run_child, args.child)
     overrides = parse_overrides(args.overrides)
     output_dir = Path(args.output_dir)
+    preset = PRESETS[args.preset]
+    model = resolve_benchmark_model(args.model or preset["model"], output_dir)
+    length = args.max_completion_length or preset.get("max_completion_length", 24)
     specs = [
-        {"preset": args.preset, "model": args.model, "overrides": overrides, "variant": variant, "repeat": repeat,
+        {"preset": args.preset, "model": model, "overrides": overrides, "variant": variant, "repeat": repeat,
          "position": position, "seed": args.seed + repeat, "fsdp2": args.fsdp2_cpu_processes > 0,
-         "steps": args.steps, "warmup_steps": args.warmup_steps, "max_completion_length": args.max_completion_length,
+         "steps": args.steps, "warmup_steps": args.warmup_steps, "max_completion_length": length,
          "output_dir": str(output_dir / "runs" / f"{variant}-{repeat}")}
         for repeat in range(args.repeats)
         for position, variant in enumerate(balanced_order(args.variants, repeat))
@@ -267,25 +395,29 @@ def main(argv=None):
     runs = run_in_subprocesses(__file__, specs, "overhead runs", launcher=launcher)
     rows = summarise(runs, args.variants)
     figure = plot(rows, output_dir, args.name)
-    preset = PRESETS[args.preset]
     config = {**preset["config"], **overrides}
     markdown = (
         f"# Overhead against GRPOTrainer ({args.preset} preset)\n\n![overhead]({figure.name})\n\n"
         f"Model `{args.model or preset['model']}`, {config['num_generations']} completions per prompt, "
         f"{config['per_device_train_batch_size']} × {config['gradient_accumulation_steps']} "
-        f"completions per step, completions fixed at {args.max_completion_length} tokens; {args.repeats} repeats "
+        f"completions per step, completions fixed at {length} tokens; {args.repeats} repeats "
         f"(order alternating: {' '.join(balanced_order(args.variants, 0))}, then reversed) × {args.steps} timed steps "
         f"(after {args.warmup_steps} warm-up)"
         + (f"; FSDP2 over {args.fsdp2_cpu_processes} CPU processes for every variant" if args.fsdp2_cpu_processes
            else "")
         + (f"; preset overrides `{overrides}`" if overrides else "") + ".\n\n"
+        + "The trainer's own part is the step minus the time in TRL's generation (what a vLLM user pays); the "
+          "step-KL forward and the weights are OBLR-PO's own phases inside it (median seconds a step, timed in the "
+          "same runs).\n\n"
         + markdown_table(
-            ["variant", "s / step (median)", "min", "max", "÷ GRPO time (paired mean)", "95 % interval",
-             "time ratio min–max", "peak MiB", "÷ GRPO memory", "memory ratio min–max"],
+            ["variant", "s / step (median)", "min", "max", "÷ GRPO step (paired mean)", "95 % interval",
+             "generation s (median)", "trainer part s (median)", "÷ GRPO trainer part (paired mean)", "95 % interval",
+             "÷ GRPO generation", "step-KL forward s", "weights s", "peak MiB", "÷ GRPO memory",
+             "memory ratio min–max"],
             [[r["variant"], r["median_step_seconds"], r["min"], r["max"], r.get("time_ratio_mean", "—"),
-              "[{:.3f}, {:.3f}]".format(*r.get("time_ratio_ci", [float("nan")] * 2)),
-              f"{r.get('time_ratio_min', float('nan')):.3f}–{r.get('time_ratio_max', float('nan')):.3f}",
-              r["peak_memory_mib"], r.get("memory_ratio", "—"),
+              interval(r, "time_ratio_ci"), r["median_generation_seconds"], r["median_trainer_seconds"],
+              r.get("trainer_ratio_mean", "—"), interval(r, "trainer_ratio_ci"), r.get("generation_ratio_mean", "—"),
+              r["median_step_kl_seconds"], r["median_weights_seconds"], r["peak_memory_mib"], r.get("memory_ratio", "—"),
               f"{r.get('memory_ratio_min', float('nan')):.3f}–{r.get('memory_ratio_max', float('nan')):.3f}"]
              for r in rows],
         )

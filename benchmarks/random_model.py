@@ -5,44 +5,62 @@ benchmark fixes completion lengths, so a random model with the right shape times
 copied from the models' published `config.json`; the vocabulary is the given tokenizer's (state it with the results).
 
     python benchmarks/random_model.py --shape qwen3-4b --tokenizer PATH --output /tmp/qwen3-4b-shape
+    python benchmarks/random_model.py --shape smollm2-1.7b --output /tmp/smollm2-1.7b-shape   # SmolLM2's tokenizer
 """
 
 from __future__ import annotations
 
 import argparse
 
-SHAPES = {
-    "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-                       num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
-    "qwen3-4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
-                     num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
-    "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-                     num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
+QWEN3 = dict(max_position_embeddings=40960, rope_theta=1_000_000.0)
+LLAMA_SMOLLM2 = dict(max_position_embeddings=8192, rope_theta=130_000.0, rms_norm_eps=1e-5)
+SHAPES = {  # (architecture, shape)
+    "qwen3-0.6b": ("qwen3", dict(QWEN3, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True)),
+    "qwen3-4b": ("qwen3", dict(QWEN3, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                               num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True)),
+    "qwen3-8b": ("qwen3", dict(QWEN3, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                               num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False)),
+    "smollm2-1.7b": ("llama", dict(LLAMA_SMOLLM2, hidden_size=2048, intermediate_size=8192, num_hidden_layers=24,
+                                   num_attention_heads=32, num_key_value_heads=32, tie_word_embeddings=True)),
+    # the 135M model's shape: the same code path at a size a CPU test can build
+    "smollm2-135m": ("llama", dict(LLAMA_SMOLLM2, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                                   num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)),
 }
+
+
+def build(shape: str, tokenizer_path: str, output: str, seed: int = 0) -> str:
+    """Save a randomly initialised bf16 model of ``shape`` with the tokenizer at ``tokenizer_path`` to ``output``."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Qwen3Config
+
+    architecture, dims = SHAPES[shape]
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    config_cls = {"qwen3": Qwen3Config, "llama": LlamaConfig}[architecture]
+    config = config_cls(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                        eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id, **dims)
+    torch.manual_seed(seed)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(output)
+    tokenizer.save_pretrained(output)
+    print(f"{shape}: {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters -> {output}")
+    return output
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), required=True)
-    parser.add_argument("--tokenizer", required=True, help="folder or id of the tokenizer (its vocabulary is used)")
+    parser.add_argument("--tokenizer", default="builtin:smollm2-135m-instruct",
+                        help="folder or id of the tokenizer (its vocabulary is used); default: the built-in SmolLM2's")
     parser.add_argument("--output", required=True)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
+    from oblr_trl.models import resolve_model
 
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
-    config = Qwen3Config(vocab_size=len(tokenizer), max_position_embeddings=40960, rope_theta=1_000_000.0,
-                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                         bos_token_id=tokenizer.bos_token_id, **SHAPES[args.shape])
-    torch.manual_seed(args.seed)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.save_pretrained(args.output)
-    tokenizer.save_pretrained(args.output)
-    print(f"{args.shape}: {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters -> {args.output}")
+    build(args.shape, resolve_model(args.tokenizer, option="--tokenizer"), args.output, args.seed)
     return 0
 
 
