@@ -191,6 +191,8 @@ def run_child(spec: dict) -> dict:
         result["traces"] = {key: [math.nan if h.get(key) is None else h[key] for h in logs] for key in TRACES}
         result["max_grad_norm"] = trainer.args.max_grad_norm
         result["lr_trust_region_kl"] = getattr(trainer.args, "lr_trust_region_kl", None)
+        # how many of a step's completions its KL was measured on (None: all; runs before 2026-11-26 measured all)
+        result["lr_trust_region_sample_size"] = getattr(trainer.args, "lr_trust_region_sample_size", None)
     return result
 
 

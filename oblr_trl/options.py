@@ -203,6 +203,18 @@ class OBLRPOOptions:
         default=0.5,
         metadata={"help": "Decay of the bias-corrected moving average of the measured curvature KL/lr², in [0, 1)."},
     )
+    lr_trust_region_sample_size: int | None = field(
+        default=8,
+        metadata={
+            "help": "Measure each step's KL on at most this many of the step's completions (over all processes), "
+            "drawn uniformly without replacement; a step with no more completions than this is measured whole. The "
+            "measuring forward then costs a bounded share of a step however large the batch. The default 8 is the "
+            "completions a step of the runs the trust region was validated on (SmolLM2 a + b: every step measured "
+            "whole), so a larger step is measured at least as precisely as those were; per-completion KLs are "
+            "heavy-tailed, and smaller samples are noisy (docs/trust_region.md). None: every completion "
+            "(vision-language models always measure every completion)."
+        },
+    )
     log_step_kl: bool = field(
         default=False,
         metadata={
@@ -269,6 +281,11 @@ class OBLRPOOptions:
             raise invalid_value("lr_trust_region_max_ratio", self.lr_trust_region_max_ratio, "a finite float >= 1")
         if not 0.0 <= self.lr_trust_region_ema_decay < 1.0:
             raise invalid_value("lr_trust_region_ema_decay", self.lr_trust_region_ema_decay, "a float in [0, 1)")
+        if self.lr_trust_region_sample_size is not None and (
+            isinstance(self.lr_trust_region_sample_size, bool) or not isinstance(self.lr_trust_region_sample_size, int)
+            or self.lr_trust_region_sample_size < 1
+        ):
+            raise invalid_value("lr_trust_region_sample_size", self.lr_trust_region_sample_size, "None or an integer >= 1")
 
     @property
     def measures_step_kl(self) -> bool:

@@ -7,9 +7,14 @@ updated policy, sums the k3 estimates of KL(π_t ‖ π_{t+1}) and the token cou
 the mean per token as `oblr/step_kl` and, with a `TrustRegionRate`, folds it into the curvature that sizes the next
 step.
 
-Every token of the step counts, so the measurement does not depend on how the step is split into micro-batches and
-processes (2 processes measure what 1 does); it costs one no-grad forward of the step's completions, as TRL's own
-old-log-probability pass does when `num_iterations > 1`. With `num_iterations > 1` or `steps_per_generation >
+By default every token of the step counts; it costs one no-grad forward of the step's completions, as TRL's own
+old-log-probability pass does when `num_iterations > 1`. With a sample size n, the forward runs on n of the step's
+completions only, drawn uniformly without replacement over every process's completions of the step (the same draw
+in any process layout: a permutation of the step's global row order seeded by the run's seed and the step), and the
+KL is the mean per token over the sampled completions' tokens. Either way the measurement does not depend on how the
+step is split into micro-batches and processes (2 processes measure what 1 does). Every process runs one forward per
+kept micro-batch even when none of its rows was drawn (one row, counted with weight 0), because a sharded model
+(FSDP2, ZeRO-3) needs every process in every forward. With `num_iterations > 1` or `steps_per_generation >
 gradient_accumulation_steps` the tokens were sampled from an older policy than π_t; the k3 estimate then carries a
 small bias of that order.
 """
@@ -35,6 +40,10 @@ class StepKLRecorder:
         token_log_probs: ``batch -> (B, T)`` log-probabilities of the batch's completion tokens under the current
             policy, without gradients (TRL's forward).
         reduce_sum: sums a tensor over processes.
+        sample_size: the number of the step's completions (over all processes) measured; None: all of them.
+        gather: concatenates a 1-D tensor over processes in process order (needed with ``sample_size``).
+        process_index: this process's place in that order.
+        seed: seed of the draws (the run's seed).
     """
 
     def __init__(
@@ -42,10 +51,18 @@ class StepKLRecorder:
         rule: TrustRegionRate | None,
         token_log_probs: Callable[[dict[str, Any]], torch.Tensor],
         reduce_sum: Callable[[torch.Tensor], torch.Tensor],
+        sample_size: int | None = None,
+        gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        process_index: int = 0,
+        seed: int = 0,
     ):
+        if sample_size is not None and gather is None:
+            raise ValueError("a sample of the step's completions needs `gather` to draw it over every process.")
         self.rule = rule
         self.token_log_probs = token_log_probs
         self.reduce_sum = reduce_sum
+        self.sample_size, self.gather, self.process_index, self.seed = sample_size, gather, process_index, seed
+        self.measured_steps = 0  # seeds each step's draw; saved with the checkpoint so that a resume draws the same
         self._batches: list[tuple[dict[str, Any], torch.Tensor, torch.Tensor]] = []
 
     def keep(self, batch: dict[str, Any], log_probs: torch.Tensor, mask: torch.Tensor) -> None:
@@ -64,8 +81,21 @@ class StepKLRecorder:
         if not kept or lr is None:  # no micro-batch ran, or the step was refused (on every process alike): no move
             return
         with torch.no_grad():
-            sums = [torch.stack(sampled_token_kl(self.token_log_probs(batch), old, mask)) for batch, old, mask in kept]
+            rows = self._drawn_rows(kept)
+            sums = []
+            for (batch, old, mask), drawn in zip(kept, rows, strict=True):
+                if drawn is None:  # every row
+                    sums.append(torch.stack(sampled_token_kl(self.token_log_probs(batch), old, mask)))
+                    continue
+                # one forward per micro-batch on every process (a sharded model needs them all): a lone row, counted
+                # with weight 0, where this process drew none of the micro-batch's rows
+                index = drawn.nonzero().flatten() if drawn.any() else torch.zeros(1, dtype=torch.long)
+                index = index.to(mask.device)
+                weight = mask[index] * drawn.to(mask.device)[index].to(mask.dtype).unsqueeze(1)
+                new = self.token_log_probs(select_rows(batch, index, mask.size(0)))
+                sums.append(torch.stack(sampled_token_kl(new, old[index], weight)))
             total, tokens = self.reduce_sum(torch.stack(sums).sum(0)).tolist()
+        self.measured_steps += 1
         kl = total / tokens if tokens > 0 else float("nan")
         metrics["oblr/step_kl"].append(kl)
         if self.rule is not None:
@@ -74,13 +104,43 @@ class StepKLRecorder:
             rate = self.rule.rate
             metrics["oblr/trust_region_rate"].append(rate if math.isfinite(rate) else float("nan"))
 
+    def _drawn_rows(self, kept: list) -> list[torch.Tensor | None]:
+        """Per kept micro-batch, a boolean mask of its rows drawn for the measurement; None where every row counts."""
+        if self.sample_size is None:
+            return [None] * len(kept)
+        local = sum(mask.size(0) for _, _, mask in kept)
+        device = kept[0][2].device
+        counts = self.gather(torch.tensor([local], dtype=torch.long, device=device)).cpu()
+        total = int(counts.sum())
+        if self.sample_size >= total:
+            return [None] * len(kept)
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.measured_steps)
+        drawn = torch.zeros(total, dtype=torch.bool)
+        drawn[torch.randperm(total, generator=generator)[: self.sample_size]] = True
+        start = int(counts[: self.process_index].sum())
+        return list(drawn[start : start + local].split([mask.size(0) for _, _, mask in kept]))
+
     def factor(self, base_lr: float) -> float:
         """The trust-region factor on ``base_lr`` (scheduled rate × SNR factor) for the next step; 1 without a rule."""
         return 1.0 if self.rule is None else self.rule.factor(base_lr)
 
     def state_dict(self) -> dict[str, Any]:
-        return {} if self.rule is None else {"trust_region": self.rule.state_dict()}
+        state: dict[str, Any] = {"measured_steps": self.measured_steps}
+        if self.rule is not None:
+            state["trust_region"] = self.rule.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.measured_steps = int(state.get("measured_steps", 0))
         if self.rule is not None and "trust_region" in state:
             self.rule.load_state_dict(state["trust_region"])
+
+
+def select_rows(batch: dict[str, Any], index: torch.Tensor, rows: int) -> dict[str, Any]:
+    """The rows ``index`` of a micro-batch of ``rows`` rows: every tensor whose first dimension is the rows, indexed;
+    everything else (scalars, per-batch values) as is."""
+    return {
+        key: value[index.to(value.device)] if torch.is_tensor(value) and value.dim() > 0 and value.size(0) == rows
+        else value
+        for key, value in batch.items()
+    }

@@ -189,8 +189,12 @@ class OBLRPOTrainer(GRPOTrainer):
                 args.lr_trust_region_kl, args.lr_trust_region_mode, args.lr_trust_region_ema_decay,
                 args.lr_trust_region_min_ratio, args.lr_trust_region_max_ratio,
             )
-            self.kl_recorder = StepKLRecorder(rule, self.completion_weights.token_log_probs,
-                                              lambda stats: self.accelerator.reduce(stats, reduction="sum"))
+            self.kl_recorder = StepKLRecorder(
+                rule, self.completion_weights.token_log_probs,
+                lambda stats: self.accelerator.reduce(stats, reduction="sum"),
+                sample_size=None if self._is_vlm else args.lr_trust_region_sample_size,
+                gather=self.accelerator.gather, process_index=self.accelerator.process_index, seed=args.seed,
+            )
         self.step_control = OptimizerStepControl(
             self.accelerator, self._metrics["train"],
             (lambda: self.snr_recorder.next_factor) if self.snr_recorder is not None else None,

@@ -106,6 +106,7 @@ def run_case(case: dict, output_dir: str) -> dict:
         max_grad_norm=case.get("max_grad_norm", 1.0),
         lr_trust_region_kl=case.get("lr_trust_region_kl"),
         lr_trust_region_mode=case.get("lr_trust_region_mode", "cap"),
+        lr_trust_region_sample_size=case.get("lr_trust_region_sample_size"),
         seed=0,
         **fsdp,
     )

@@ -19,7 +19,7 @@ def run(script, *args):
 
 
 @pytest.mark.parametrize("script", ["variance.py", "overhead.py", "learning.py", "synthetic_learning.py",
-                                    "stability.py"])
+                                    "stability.py", "step_kl_sampling.py", "random_model.py"])
 def test_help(script):
     assert "usage" in run(script, "--help")
 
@@ -53,6 +53,40 @@ def test_overhead_smoke(saved_tiny_model, tmp_path):
     low, high = summary["oblrpo"]["time_ratio_ci"]
     assert low <= summary["oblrpo"]["time_ratio_mean"] <= high
     assert summary["exact"]["peak_memory_mib"] > 0 and (tmp_path / "overhead.png").exists()
+
+
+def test_overhead_times_generation_and_the_trainers_part_on_a_random_model_of_a_named_shape(tmp_path):
+    """The GPU preset's path on CPU: a random model of a named shape with SmolLM2's tokenizer, a reward that varies
+    per completion, and each step split into generation and the trainer's own part, with OBLR-PO's phases."""
+    run("overhead.py", "--preset", "gpu", "--model", "random:smollm2-135m", "--variants", "grpo", "oblrpo",
+        "oblrpo-kl-sample-2", "--repeats", "2", "--steps", "1", "--max_completion_length", "3", "--set", "bf16=false",
+        "--set", "use_cpu=true", "--set", "gradient_checkpointing=false", "--set", "per_device_train_batch_size=4",
+        "--set", "num_generations=4", "--set", "gradient_accumulation_steps=2", "--output_dir", str(tmp_path))
+    assert (tmp_path / "runs" / "random-smollm2-135m" / "config.json").exists()
+    results = json.loads((tmp_path / "overhead.json").read_text())
+    for run_ in results["runs"]:
+        assert all(0 < gen < step for gen, step in zip(run_["generation_seconds"], run_["step_seconds"]))
+        assert run_["median_trainer_seconds"] > 0
+    summary = {row["variant"]: row for row in results["summary"]}
+    assert summary["grpo"]["trainer_ratio_mean"] == 1.0 and summary["grpo"]["median_step_kl_seconds"] == 0.0
+    for variant in ("oblrpo", "oblrpo-kl-sample-2"):
+        low, high = summary[variant]["trainer_ratio_ci"]
+        assert low <= summary[variant]["trainer_ratio_mean"] <= high and summary[variant]["generation_ratio_mean"] > 0
+        assert summary[variant]["median_step_kl_seconds"] > 0  # the trust region's forward, timed inside the step
+
+
+def test_step_kl_sampling_smoke(saved_tiny_model, tmp_path):
+    out = run("step_kl_sampling.py", "--model", str(saved_tiny_model), "--steps", "12", "--sizes", "1", "4",
+              "--draws", "5", "--max_completion_length", "4", "--set", "num_generations=4", "--reward", "hash",
+              "--set", "learning_rate=1e-2", "--output_dir", str(tmp_path))
+    results = json.loads((tmp_path / "step_kl_sampling.json").read_text())
+    assert [r["sample_size"] for r in results["replays"]] == [1, 4]
+    assert len(results["replays"][0]["ratios"]) == 5 * len(results["steps"]) > 0
+    assert all(len(rows) == 8 for rows in results["steps"])  # every completion of every measured step
+    assert results["replays"][1]["relative_rmse"] > 0 and "| sample |" in out
+    assert [r["period"] for r in results["every_kth_step"]] == [1, 2, 4, 8]
+    assert len(results["steps"]) == len(results["rates"]) >= len(results["curvature"]["curvature"]) > 0
+    assert (tmp_path / "step_kl_sampling.png").exists()
 
 
 def test_overhead_under_fsdp2_on_two_cpu_processes_smoke(saved_tiny_model, tmp_path):

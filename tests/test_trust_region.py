@@ -88,6 +88,104 @@ def test_sampled_token_kl_is_unbiased_for_the_kl_of_two_categoricals():
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# The measurement on a sample of the step's completions (`StepKLRecorder`, lr_trust_region_sample_size)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _micro_batch(rows, width=3, seed=0):
+    """A micro-batch whose "policy after the step" is stored in it: log-probabilities before and after, a mask."""
+    generator = torch.Generator().manual_seed(seed)
+    old = -torch.rand(rows, width, generator=generator) - 0.1
+    new = old + 0.5 * torch.randn(rows, width, generator=generator)
+    mask = torch.ones(rows, width)
+    mask[:, -1] = (torch.arange(rows) % 2).float()  # completions of 2 and 3 tokens
+    return {"new": new, "row_id": torch.arange(rows) + 100 * seed, "scalar": torch.tensor(1.0)}, old, mask
+
+
+def _record(sample_size, batches, counts=None, process_index=0, seed=0):
+    """One step measured by a recorder on ``batches``; ``counts`` stands in for the other processes' row counts."""
+    from oblr_trl.step_kl import StepKLRecorder
+
+    forwarded, local = [], {}
+
+    def token_log_probs(batch):
+        forwarded.extend(batch["row_id"].tolist())
+        return batch["new"]
+
+    def reduce_sum(stats):
+        local["sums"] = stats.clone()
+        return stats
+
+    gather = (lambda t: torch.tensor(counts)) if counts is not None else (lambda t: t)
+    recorder = StepKLRecorder(None, token_log_probs, reduce_sum, sample_size, gather, process_index, seed)
+    for batch, old, mask in batches:
+        recorder.keep(batch, old, mask)
+    metrics = {"oblr/step_kl": []}
+    recorder.after_step(1e-3, metrics)
+    return metrics["oblr/step_kl"][0], forwarded, local["sums"], recorder
+
+
+def _k3(batch, old, mask, rows):
+    delta = batch["new"][rows] - old[rows]
+    return ((torch.expm1(delta) - delta) * mask[rows]).sum().item(), mask[rows].sum().item()
+
+
+def test_a_sample_of_the_step_measures_only_the_drawn_completions_and_their_tokens():
+    batches = [_micro_batch(4, seed=0), _micro_batch(4, seed=1)]
+    full, forwarded_all, _, _ = _record(None, batches)
+    assert sorted(forwarded_all) == [0, 1, 2, 3, 100, 101, 102, 103]
+    kl, forwarded, sums, _ = _record(3, batches)
+    assert _record(3, batches)[0] == kl  # the same step draws the same rows
+    # one forward per micro-batch: the drawn rows, plus one row counted with weight 0 where none was drawn
+    assert 3 <= len(forwarded) <= 4
+    drawn = {0: [], 1: []}
+    for row_id in forwarded:
+        drawn[row_id // 100].append(row_id % 100)
+    if len(forwarded) == 4:  # the micro-batch with the lone row holds none of the 3 drawn
+        lone = next(index for index, rows in drawn.items() if len(rows) == 1)
+        drawn[lone] = []
+    total, tokens = 0.0, 0.0
+    for index, (batch, old, mask) in enumerate(batches):
+        if drawn[index]:
+            k, n = _k3(batch, old, mask, drawn[index])
+            total, tokens = total + k, tokens + n
+    assert sum(len(rows) for rows in drawn.values()) == 3
+    assert sums[1].item() == tokens < 8 * 3  # the drawn completions' tokens only
+    assert kl == pytest.approx(total / tokens, rel=1e-6) and kl != pytest.approx(full, rel=1e-3)
+    assert _record(8, batches)[0] == full and _record(100, batches)[0] == full  # a sample of all: the full measure
+
+
+def test_the_sample_is_the_same_in_any_process_layout_and_resumes_with_the_run():
+    """Rows 0–7 of a step on 1 process (2 micro-batches of 4) or on 2 (one micro-batch of 4 each): the same rows are
+    drawn and the per-process sums add up to the one-process measurement. The step count that seeds the draws is
+    checkpointed."""
+    from oblr_trl.step_kl import StepKLRecorder
+
+    one = [_micro_batch(4, seed=0), _micro_batch(4, seed=1)]
+    single_kl, _, single_sums, recorder = _record(3, one)
+    total = sum(_record(3, [one[rank]], counts=[4, 4], process_index=rank)[2] for rank in (0, 1))
+    assert total[1].item() == single_sums[1].item()
+    assert (total[0] / total[1]).item() == pytest.approx(single_kl, rel=1e-6)
+    resumed = StepKLRecorder(None, lambda b: b["new"], lambda s: s, 3, lambda t: t)
+    resumed.load_state_dict(json.loads(json.dumps(recorder.state_dict())))
+    assert resumed.measured_steps == recorder.measured_steps == 1
+
+
+def test_the_draw_of_each_step_is_uniform_over_the_steps_completions():
+    from oblr_trl.step_kl import StepKLRecorder
+
+    batches = [_micro_batch(4, seed=0), _micro_batch(4, seed=1)]
+    counts = torch.zeros(8)
+    recorder = StepKLRecorder(None, lambda b: b["new"], lambda s: s, 2, lambda t: t, 0, seed=3)
+    for _ in range(2000):
+        drawn = recorder._drawn_rows(batches)
+        counts += torch.cat(drawn).float()
+        recorder.measured_steps += 1
+    assert counts.sum() == 2 * 2000
+    assert (counts / 2000).tolist() == pytest.approx([2 / 8] * 8, abs=0.04)  # 4 s.e. of a 2000-draw frequency
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # In the trainer
 # ----------------------------------------------------------------------------------------------------------------
 
@@ -260,6 +358,48 @@ def test_each_trust_region_option_changes_the_factor(make_trainer):
     measured = make_trainer(log_step_kl=True, lr_trust_region_kl=None, **common)
     measured.train()
     assert all(h["oblr/step_kl"] > 0 for h in measured.state.log_history if "loss" in h)
+
+
+def test_a_sample_size_measures_the_step_on_that_many_completions(make_trainer):
+    """8 completions a step in 2 micro-batches of 4: with a sample of 1 the measuring forwards see 2 rows a step (the
+    drawn one, and one row with weight 0 in the other micro-batch), against all 8 with the default sample of 8 or
+    none; 16 completions a step: the default measures 8."""
+    rows = []
+
+    def counting(trainer):
+        recorder = trainer.kl_recorder
+        token_log_probs, after_step = recorder.token_log_probs, recorder.after_step
+
+        def count(batch):
+            rows[-1] += batch["completion_ids"].size(0)
+            return token_log_probs(batch)
+
+        def measured_step(*args, **kwargs):
+            rows.append(0)
+            return after_step(*args, **kwargs)
+
+        recorder.token_log_probs, recorder.after_step = count, measured_step
+        return trainer
+
+    common = dict(max_steps=3, lr_scheduler_type="constant", use_snr_lr=False)
+    default = counting(make_trainer(**common))
+    assert default.args.lr_trust_region_sample_size == 8
+    default.train()
+    assert rows == [8, 8, 8]  # no more completions than the default sample: measured whole
+    rows.clear()
+    counting(make_trainer(lr_trust_region_sample_size=None, **common)).train()
+    assert rows == [8, 8, 8]
+    rows.clear()
+    # 16 completions a step in 2 micro-batches of 8: the default measures 8 of them (a lone row more where a
+    # micro-batch holds none of the drawn)
+    counting(make_trainer(per_device_train_batch_size=8, **common)).train()
+    assert all(8 <= count <= 9 for count in rows) and len(rows) == 3
+    rows.clear()
+    sampled = counting(make_trainer(lr_trust_region_sample_size=1, **common))
+    sampled.train()
+    assert rows == [2, 2, 2]
+    assert sampled.kl_recorder.measured_steps == 3
+    assert all(h["oblr/step_kl"] >= 0 for h in sampled.state.log_history if "loss" in h)
 
 
 def test_resume_restores_the_trust_region(make_trainer, tmp_path):
