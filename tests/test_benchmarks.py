@@ -58,8 +58,8 @@ def test_overhead_smoke(saved_tiny_model, tmp_path):
 def test_overhead_times_generation_and_the_trainers_part_on_a_random_model_of_a_named_shape(tmp_path):
     """The GPU preset's path on CPU: a random model of a named shape with SmolLM2's tokenizer, a reward that varies
     per completion, and each step split into generation and the trainer's own part, with OBLR-PO's phases."""
-    run("overhead.py", "--preset", "gpu", "--model", "random:smollm2-135m", "--variants", "grpo", "oblrpo",
-        "oblrpo-kl-sample-2", "--repeats", "2", "--steps", "1", "--max_completion_length", "3", "--set", "bf16=false",
+    run("overhead.py", "--preset", "gpu", "--model", "random:smollm2-135m", "--variants", "grpo",
+        "oblrpo-kl-sample-2", "--repeats", "1", "--steps", "1", "--max_completion_length", "3", "--set", "bf16=false",
         "--set", "use_cpu=true", "--set", "gradient_checkpointing=false", "--set", "per_device_train_batch_size=4",
         "--set", "num_generations=4", "--set", "gradient_accumulation_steps=2", "--output_dir", str(tmp_path))
     assert (tmp_path / "runs" / "random-smollm2-135m" / "config.json").exists()
@@ -69,10 +69,11 @@ def test_overhead_times_generation_and_the_trainers_part_on_a_random_model_of_a_
         assert run_["median_trainer_seconds"] > 0
     summary = {row["variant"]: row for row in results["summary"]}
     assert summary["grpo"]["trainer_ratio_mean"] == 1.0 and summary["grpo"]["median_step_kl_seconds"] == 0.0
-    for variant in ("oblrpo", "oblrpo-kl-sample-2"):
-        low, high = summary[variant]["trainer_ratio_ci"]
-        assert low <= summary[variant]["trainer_ratio_mean"] <= high and summary[variant]["generation_ratio_mean"] > 0
-        assert summary[variant]["median_step_kl_seconds"] > 0  # the trust region's forward, timed inside the step
+    sampled = summary["oblrpo-kl-sample-2"]
+    low, high = sampled["trainer_ratio_ci"]
+    # one repeat: the interval is the value itself, bootstrapped in float32
+    assert low - 1e-6 <= sampled["trainer_ratio_mean"] <= high + 1e-6 and sampled["generation_ratio_mean"] > 0
+    assert sampled["median_step_kl_seconds"] > 0  # the trust region's forward, timed inside the step
 
 
 def test_step_kl_sampling_smoke(saved_tiny_model, tmp_path):
