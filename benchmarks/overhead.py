@@ -26,6 +26,10 @@ tokenizer (`random_model.py`, built once under the results folder), full fine-tu
 checkpointing, transformers' `generate`, 8 prompts × 8 completions of 64 tokens a step, and a reward that varies per
 completion (the parity of a hash of its text), so that every group carries a signal for every variant alike.
 
+Each run's result is appended to ``<name>_runs.jsonl`` beside the results as it finishes; ``--resume`` reuses the
+runs recorded there (same preset, model, length and steps) and runs only the missing ones, so that a run cut short (a
+lent GPU's time limit) continues where it stopped.
+
 ``--fsdp2_cpu_processes N`` runs every variant (GRPO included) under the same FSDP2 wrapping over N CPU processes
 (torchrun, gloo, accelerate's own `fsdp2_prepare_model`; `oblr_trl.testing.allow_fsdp_on_cpu` lifts accelerate's
 CPU refusal), one thread per process.
@@ -34,6 +38,7 @@ CPU refusal), one thread per process.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -119,6 +124,8 @@ def parse_args(argv=None):
                         help="run every variant under FSDP2 over this many CPU processes (0: one process, no FSDP)")
     parser.add_argument("--name", default="overhead", help="results file name")
     parser.add_argument("--output_dir", default=str(RESULTS / "overhead"))
+    parser.add_argument("--resume", action="store_true",
+                        help="reuse the runs already recorded in <output_dir>/<name>_runs.jsonl; run only the others")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -161,7 +168,8 @@ class PeakMemory:
 
 def resolve_benchmark_model(model: str, output_dir: Path) -> str:
     """``random:<shape>`` as a folder holding a randomly initialised model of that shape with the built-in SmolLM2
-    tokenizer (built once, under ``output_dir/runs``); anything else as the trainer would read it."""
+    tokenizer (built once, under ``output_dir/runs``; `random_model.py --output` can put one there with another
+    tokenizer); anything else as the trainer would read it."""
     if not model.startswith("random:"):
         return model
     import random_model
@@ -294,7 +302,10 @@ def run_child(spec: dict) -> dict:
         trainer.train()
     timed, generating = times[spec["warmup_steps"]:], generation_times[spec["warmup_steps"]:]
     trainer_part = [step - gen for step, gen in zip(timed, generating, strict=True)]
-    return {"variant": spec["variant"], "repeat": spec["repeat"], "position": spec["position"],
+    # the share of completions whose exact weights were measured (groups with reward spread), over the timed steps
+    measured = [log["oblr/weights/measured_frac"] for log in trainer.state.log_history
+                if "oblr/weights/measured_frac" in log][spec["warmup_steps"]:]
+    return {"weights_measured_frac": statistics.fmean(measured) if measured else None,"variant": spec["variant"], "repeat": spec["repeat"], "position": spec["position"],
             "num_generations": trainer.args.num_generations, "processes": trainer.accelerator.num_processes,
             "distributed_type": str(trainer.accelerator.distributed_type), "step_seconds": timed,
             "generation_seconds": generating, "median_step_seconds": statistics.median(timed),
@@ -317,7 +328,9 @@ def summarise(runs: list[dict], variants: list[str]) -> list[dict]:
     for variant, results in by_variant.items():
         medians = [r["median_step_seconds"] for r in results]
         memory = [r["peak_memory_bytes"] for r in results]
+        measured = [r["weights_measured_frac"] for r in results if r.get("weights_measured_frac") is not None]
         row = {"variant": variant, "median_step_seconds": statistics.median(medians), "min": min(medians),
+               "weights_measured_frac": statistics.fmean(measured) if measured else None,
                "max": max(medians), "peak_memory_mib": statistics.median(memory) / 2**20,
                "median_generation_seconds": statistics.median(r["median_generation_seconds"] for r in results),
                "median_trainer_seconds": statistics.median(r["median_trainer_seconds"] for r in results),
@@ -367,6 +380,24 @@ def plot(rows, output_dir, name):
     return save_figure(figure, output_dir, name)
 
 
+def run_key(spec: dict) -> str:
+    """What makes two runs the same measurement (the folder a run writes to aside)."""
+    return json.dumps({k: v for k, v in spec.items() if k != "output_dir"}, sort_keys=True)
+
+
+def append_run(path: Path, spec: dict, result: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as log:
+        log.write(json.dumps({"key": run_key(spec), "result": result}) + "\n")
+
+
+def recorded_runs(path: Path, specs: list[dict]) -> dict[str, dict]:
+    """The results recorded in ``path`` for any of ``specs``, by `run_key`."""
+    wanted = {run_key(spec) for spec in specs}
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    return {r["key"]: r["result"] for r in records if r["key"] in wanted}
+
+
 def interval(row: dict, key: str) -> str:
     return "[{:.3f}, {:.3f}]".format(*row.get(key, [float("nan")] * 2))
 
@@ -392,7 +423,15 @@ def main(argv=None):
     if args.fsdp2_cpu_processes:
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                     "--nproc_per_node", str(args.fsdp2_cpu_processes)]
-    runs = run_in_subprocesses(__file__, specs, "overhead runs", launcher=launcher)
+    runs_log = output_dir / f"{args.name}_runs.jsonl"
+    done = recorded_runs(runs_log, specs) if args.resume else {}
+    if not args.resume:
+        runs_log.unlink(missing_ok=True)
+    todo = [spec for spec in specs if run_key(spec) not in done]
+    fresh = run_in_subprocesses(__file__, todo, "overhead runs", launcher=launcher,
+                                on_result=lambda spec, result: append_run(runs_log, spec, result))
+    done |= {run_key(spec): result for spec, result in zip(todo, fresh, strict=True)}
+    runs = [done[run_key(spec)] for spec in specs]
     rows = summarise(runs, args.variants)
     figure = plot(rows, output_dir, args.name)
     config = {**preset["config"], **overrides}
@@ -408,16 +447,19 @@ def main(argv=None):
         + (f"; preset overrides `{overrides}`" if overrides else "") + ".\n\n"
         + "The trainer's own part is the step minus the time in TRL's generation (what a vLLM user pays); the "
           "step-KL forward and the weights are OBLR-PO's own phases inside it (median seconds a step, timed in the "
-          "same runs).\n\n"
+          "same runs). `exact` weights are measured only for groups whose rewards differ: the share measured is "
+          "given.\n\n"
         + markdown_table(
             ["variant", "s / step (median)", "min", "max", "÷ GRPO step (paired mean)", "95 % interval",
              "generation s (median)", "trainer part s (median)", "÷ GRPO trainer part (paired mean)", "95 % interval",
-             "÷ GRPO generation", "step-KL forward s", "weights s", "peak MiB", "÷ GRPO memory",
-             "memory ratio min–max"],
+             "÷ GRPO generation", "step-KL forward s", "weights s", "exact weights measured", "peak MiB",
+             "÷ GRPO memory", "memory ratio min–max"],
             [[r["variant"], r["median_step_seconds"], r["min"], r["max"], r.get("time_ratio_mean", "—"),
               interval(r, "time_ratio_ci"), r["median_generation_seconds"], r["median_trainer_seconds"],
               r.get("trainer_ratio_mean", "—"), interval(r, "trainer_ratio_ci"), r.get("generation_ratio_mean", "—"),
-              r["median_step_kl_seconds"], r["median_weights_seconds"], r["peak_memory_mib"], r.get("memory_ratio", "—"),
+              r["median_step_kl_seconds"], r["median_weights_seconds"],
+              "—" if r["weights_measured_frac"] is None else f"{r['weights_measured_frac']:.0%}",
+              r["peak_memory_mib"], r.get("memory_ratio", "—"),
               f"{r.get('memory_ratio_min', float('nan')):.3f}–{r.get('memory_ratio_max', float('nan')):.3f}"]
              for r in rows],
         )

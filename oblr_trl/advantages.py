@@ -13,7 +13,9 @@ import torch
 
 from .baselines import gradient_weighted_baseline, pooled_slope_baseline, shrunk_baseline
 
-__all__ = ["AdvantageResult", "aggregate_rewards", "gradient_weighted_advantages", "nanstd"]
+__all__ = [
+    "AdvantageResult", "aggregate_rewards", "gradient_weighted_advantages", "nanstd", "rows_whose_weights_matter",
+]
 
 SCALE_EPS = 1e-4  # the epsilon TRL adds to the standard deviation when it scales rewards
 
@@ -84,6 +86,22 @@ def aggregate_rewards(
             f"aggregation must be 'sum_then_normalize' or 'normalize_then_sum'; got {aggregation!r}."
         )
     return torch.where(unscorable | ~torch.isfinite(rewards), torch.full_like(rewards, float("nan")), rewards)
+
+
+def rows_whose_weights_matter(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``(N,)`` bool: True for the completions of groups whose scored rewards are not all equal (DESIGN §2).
+
+    Every estimate of b* = E[w r]/E[w] from a group whose scored rewards are all r is r, whatever the weights (the
+    baselines take a mean of identical rewards exactly, `baselines._baseline_over`), and such a group adds nothing to
+    the pooled slope's fit (its reward variance is 0): its weights cannot change an advantage, so they need not be
+    measured. The same holds for a group with fewer than two scored completions (no leave-one-out baseline at all).
+    """
+    grouped = rewards.view(-1, group_size)
+    finite = torch.isfinite(grouped)
+    largest = torch.where(finite, grouped, torch.full_like(grouped, float("-inf"))).amax(-1)
+    smallest = torch.where(finite, grouped, torch.full_like(grouped, float("inf"))).amin(-1)
+    spread = (finite.sum(-1) >= 2) & (largest > smallest)
+    return spread.unsqueeze(-1).expand_as(grouped).reshape(-1)
 
 
 def gradient_weighted_advantages(

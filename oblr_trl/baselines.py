@@ -53,7 +53,8 @@ class BaselineResult:
         baseline: ``(num_groups, G)`` baseline b_i for every completion; NaN where no baseline exists (the reward of
             completion i is missing, or no other completion of its group has a reward).
         fallback: ``(num_groups, G)`` bool, True where the weighted baseline was unusable (zero or non-finite weight
-            sum, or non-finite weighted mean) and the uniform mean of the same rewards was used instead.
+            sum, or non-finite weighted mean) and the uniform mean of the same rewards was used instead; never where
+            those rewards are all equal (their mean needs no weights; `exact` weights are not measured there).
         defined: ``(num_groups, G)`` bool, True where ``baseline`` is finite.
     """
 
@@ -87,7 +88,7 @@ def _baseline_over(rewards: torch.Tensor, weights: torch.Tensor, include: torch.
     defined = (count > 0) & torch.isfinite(rewards)
     return BaselineResult(
         baseline=torch.where(defined, baseline, torch.full_like(baseline, float("nan"))),
-        fallback=defined & ~usable,
+        fallback=defined & ~usable & (smallest != largest),  # identical rewards: no weights needed, none missed
         defined=defined,
     )
 
@@ -194,8 +195,8 @@ class PooledSlope:
 
     For every scored completion, e_i = r_i − p̂_i is regressed on v̂_i with weight w_i (the baseline minimising
     E[w (r − b)²] among b = p̂ + ρ v̂): ρ̂ = Σ w e v̂ / Σ w v̂². Numerator and denominator are moving averages over
-    batches (decay β; their ratio needs no bias correction), and a batch updates ρ̂ only after its own baselines are
-    computed.
+    batches (decay β; their ratio needs no bias correction) of each batch's sums divided by n·mean(w), and a batch
+    updates ρ̂ only after its own baselines are computed. A NaN weight (not measured) leaves its row out of the sums.
     """
 
     def __init__(self, decay: float = 0.9):
@@ -221,8 +222,11 @@ class PooledSlope:
         denominator = torch.where(usable, w * variance**2, zero).sum().item()
         if denominator <= 0 or not (math.isfinite(numerator) and math.isfinite(denominator)):
             return  # no reward spread in this batch: nothing to learn about ρ
-        # normalised per batch so that the weights' scale (which drifts in training) does not weigh batches unevenly
-        scale = torch.where(usable, w, zero).sum().item()
+        # normalised per batch so that the weights' scale (which drifts in training) does not weigh batches unevenly:
+        # by the mean weight times the number of completions, so that rows whose weight was not measured (NaN: groups
+        # without reward spread, which add nothing above) count as the others do
+        counted = torch.isfinite(rewards) & torch.isfinite(mean)
+        scale = torch.where(usable, w, zero).sum().item() * counted.sum().item() / usable.sum().item()
         self.count += 1
         self.numerator = self.decay * self.numerator + (1 - self.decay) * numerator / scale
         self.denominator = self.decay * self.denominator + (1 - self.decay) * denominator / scale

@@ -26,6 +26,7 @@ from trl.trainer.utils import add_fused_lm_head
 from .generation_hooks import GenerationLogitStats
 from .ghost_norms import log_likelihood_grad_sq_norms
 from .per_sample import per_sample_grad_sq_norms, row_objective
+from .step_kl import select_rows
 from .weights import length_weights, logit_proxy_weights, loss_token_gains, uniform_weights
 
 if TYPE_CHECKING:
@@ -176,11 +177,15 @@ class CompletionWeights:
 
     # The weights -----------------------------------------------------------------------------------------------------
 
-    def compute(self, output: dict[str, Any], record: list | None, mode: str) -> torch.Tensor:
+    def compute(
+        self, output: dict[str, Any], record: list | None, mode: str, measure: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Local weights w_i, one per completion of this process (DESIGN §2 table).
 
         Each token's gradient enters the loss times a gain: the IS ratio ρ_t (vLLM correction) and the loss type's
         per-completion factor (1/L_i for a per-completion token mean); squared norms take the gains squared.
+        ``measure`` (bool per local completion): the completions whose `exact` weight is measured, NaN for the others
+        (`advantages.rows_whose_weights_matter`); the cheap estimators weigh every completion.
         """
         mask = loss_mask(output)
         estimator = self.args.baseline_weights
@@ -194,7 +199,28 @@ class CompletionWeights:
         if estimator == "logit":
             log_probs, log_sum_sq = self.logit_inputs(output, record, mode)
             return logit_proxy_weights(log_probs, log_sum_sq, mask, gains.square())
-        return self.grad_sq_norms(output, mask.float() * gains)
+        return self.exact_weights(output, mask.float() * gains, measure)
+
+    def exact_weights(self, batch: dict[str, Any], token_scale: torch.Tensor, measure: torch.Tensor | None) -> torch.Tensor:
+        """`grad_sq_norms` of the completions in ``measure`` (all if None), NaN for the others.
+
+        Under FSDP2 every process must run as many ghost-norm passes as the others (each pass all-gathers the
+        parameters layer by layer), so a process with fewer chunks to measure runs the missing ones on one of its
+        rows with token scale 0 and discards them.
+        """
+        rows = batch["completion_ids"].size(0)
+        index = torch.arange(rows, device=token_scale.device) if measure is None else measure.nonzero().squeeze(-1)
+        weights = torch.full((rows,), float("nan"), device=token_scale.device)
+        missing = 0  # passes the other processes run beyond this one's (counted before any pass's collectives)
+        if self.trainer._is_fsdp2:
+            chunks = torch.tensor([math.ceil(len(index) / self._per_sample_chunk_size())], device=token_scale.device)
+            missing = int(self.trainer.accelerator.gather(chunks).max() - chunks)
+        if len(index):
+            weights[index] = self.grad_sq_norms(select_rows(batch, index, rows), token_scale[index])
+        first = torch.zeros(1, dtype=torch.long, device=token_scale.device)
+        for _ in range(missing):
+            self.grad_sq_norms(select_rows(batch, first, rows), torch.zeros_like(token_scale[first]))
+        return weights
 
     def logit_inputs(self, output: dict[str, Any], record: list | None, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
         """log p_t(y_t) and log Σ_v p_t(v)² of the completion tokens, ``(B, T)`` like ``completion_ids``.
@@ -250,13 +276,15 @@ class CompletionWeights:
         (`looped_grad_sq_norms`), after one warning naming the layer: slower, never wrong, never an error.
         """
         input_ids, attention_mask, logits_to_keep = sequence_inputs(batch)
-        size = self.args.per_sample_batch_size or self._forward_batch_size(
-            "train" if self.trainer.model.training else "eval"
-        )
+        size = self._per_sample_chunk_size()
         if self.ghost_norms_unsupported is None:
             initialise_fsdp2_root(self.trainer.model)
             try:
-                with disable_gradient_checkpointing(self.policy, self.args.gradient_checkpointing_kwargs):
+                # under the mixed precision the training forward runs in (accelerate wraps the model's own forward in
+                # it; the pass calls the backbone directly): the gradients measured are the ones training computes,
+                # and a float32 model under bf16 training is not measured in float32 (2.6× slower on an H100)
+                with disable_gradient_checkpointing(self.policy, self.args.gradient_checkpointing_kwargs), \
+                        self.trainer.accelerator.autocast():
                     return torch.cat(
                         [
                             log_likelihood_grad_sq_norms(
@@ -278,6 +306,11 @@ class CompletionWeights:
                     "(correct, slower)."
                 )
         return self.looped_grad_sq_norms(batch, token_scale, size)
+
+    def _per_sample_chunk_size(self) -> int:
+        return self.args.per_sample_batch_size or self._forward_batch_size(
+            "train" if self.trainer.model.training else "eval"
+        )
 
     def refuse_parameter_gradients_under_fsdp2(self, reason: str) -> None:
         """The per-row fallback differentiates with respect to the parameters, which FSDP2 holds as shards outside

@@ -83,7 +83,9 @@ class OBLRPOConfig(OBLRPOOptions, GRPOConfig):  # this base order keeps GRPOConf
             - `"logit"`: Σ_t ‖∂ log p_t(y_t)/∂z_t‖² = Σ_t (1 − 2 p_t(y_t) + Σ_v p_t(v)²), the squared gradient w.r.t.
               the logits, from one chunked no-grad forward per generation batch (reused when TRL already runs one).
             - `"length"`: the number of completion tokens (verl OPO's proxy). Free.
-            - `"exact"`: the true squared gradient norm over the trainable parameters (LoRA parameters under PEFT).
+            - `"exact"`: the true squared gradient norm over the trainable parameters (LoRA parameters under PEFT),
+              one extra forward and backward of the completions whose group's rewards differ (elsewhere no weight can
+              change an advantage: NaN, logged as `oblr/weights/measured_frac`).
             - `"uniform"`: 1 for every completion, which reduces the baseline to RLOO's (for ablations).
 
             The weight is that of completion i's actual contribution to the loss gradient: under a per-completion

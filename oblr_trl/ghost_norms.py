@@ -23,14 +23,20 @@ transformer batch do not interact, so row i's gradient of a parameter is built f
 PEFT LoRA adapters are linear layers, so they are covered. A trainable parameter of any other kind raises
 `NotImplementedError`: it is never skipped silently (the trainer then measures that model by one backward per row). The backward asks only for the gradient of the input embeddings,
 so autograd computes activation gradients but no parameter gradients (and `.grad` is left alone).
+
+Each phase runs under a `torch.profiler.record_function` label `ghost_norms.<phase>` (the backbone's forward, the
+backward and in it the linear, RMSNorm and head terms, then the embedding terms), so that a profile of a training
+step splits the pass without changing it (`benchmarks/exact_weights_profile.py`).
 """
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 
 __all__ = ["log_likelihood_grad_sq_norms"]
 
@@ -55,23 +61,60 @@ class _Norms:
         self.sq += values.float()
 
 
+@functools.cache
+def _half_matmul_returns_fp32(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether torch multiplies ``dtype`` matrices on this device into a float32 result (``out_dtype``: CUDA, torch
+    2.8 and later)."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        return False
+    try:
+        one = torch.ones(1, 1, 1, dtype=dtype, device=device_type)
+        torch.bmm(one, one, out_dtype=torch.float32)
+        torch.mm(one[0], one[0], out_dtype=torch.float32)
+    except (TypeError, RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+def _matmul_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` (batched or not) with a float32 result.
+
+    Where either factor is half precision (a bf16 model, or an activation a layer computed under autocast) and the
+    device can, both are multiplied in that precision, accumulating and returning in float32 — as the layer itself
+    multiplied them (tensor cores, and no float32 copies of the activations: those copies and float32 products took
+    half the pass on an H100). Anything else in float32.
+    """
+    half = next((t.dtype for t in (a, b) if t.dtype in (torch.bfloat16, torch.float16)), None)
+    if half is not None and _half_matmul_returns_fp32(a.device.type, half):
+        return (torch.bmm if a.dim() == 3 else torch.mm)(a.to(half), b.to(half), out_dtype=torch.float32)
+    return a.float() @ b.float()
+
+
+def _autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype autocast computes matrix products in on this device, None when it is off."""
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+
+
 def _linear_sq(inputs: torch.Tensor, grads: torch.Tensor) -> torch.Tensor:
     """Row-wise ‖Σ_t g_t a_tᵀ‖²_F, by the cheaper of the ghost and the materialised form."""
-    a, g = inputs.float().flatten(1, -2), grads.float().flatten(1, -2)  # (B, T, d)
+    a, g = inputs.flatten(1, -2), grads.flatten(1, -2)  # (B, T, d)
     tokens, d_in, d_out = a.shape[1], a.shape[2], g.shape[2]
     if tokens * (d_in + d_out) <= d_in * d_out:
-        return (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(g, g.transpose(1, 2))).sum((1, 2))
-    return torch.bmm(g.transpose(1, 2), a).pow(2).sum((1, 2))
+        return (_matmul_fp32(a, a.transpose(1, 2)) * _matmul_fp32(g, g.transpose(1, 2))).sum((1, 2))
+    return _matmul_fp32(g.transpose(1, 2), a).pow(2).sum((1, 2))
 
 
 def _embedding_sq(ids: torch.Tensor, grads: torch.Tensor) -> torch.Tensor:
-    """Row-wise ‖Σ_t e_{id_t} g_tᵀ‖²: per-token gradients summed per token id, then the squared norm."""
-    values = []
-    for row_ids, row_grads in zip(ids, grads.float(), strict=True):
-        unique, inverse = torch.unique(row_ids, return_inverse=True)
-        buckets = torch.zeros(len(unique), row_grads.shape[-1], device=row_grads.device).index_add_(0, inverse, row_grads)
-        values.append(buckets.pow(2).sum())
-    return torch.stack(values)
+    """Row-wise ‖Σ_t e_{id_t} g_tᵀ‖²: per-token gradients summed per (row, token id), then the squared norm per row.
+
+    All rows at once (one `unique` over row·V + id, not one per row: each `unique` waits for the GPU)."""
+    stride = int(ids.max()) + 1
+    rows = torch.arange(ids.shape[0], device=ids.device).unsqueeze(-1).expand_as(ids)
+    unique, inverse = torch.unique((rows * stride + ids).reshape(-1), return_inverse=True)
+    flat = grads.float().reshape(-1, grads.shape[-1])
+    buckets = torch.zeros(len(unique), flat.shape[-1], device=flat.device).index_add_(0, inverse, flat)
+    bucket_rows = unique // stride
+    return torch.zeros(ids.shape[0], device=flat.device).index_add_(0, bucket_rows, buckets.pow(2).sum(-1))
 
 
 def _rms_norm_sq(module: nn.Module, inputs: torch.Tensor, grads: torch.Tensor) -> torch.Tensor:
@@ -88,43 +131,48 @@ def _softcapped(raw: torch.Tensor, cap: float | None) -> torch.Tensor:
 
 
 class _LogLikelihoodHead(torch.autograd.Function):
-    """Σ_t s_t log softmax(c(h_t Wᵀ) / T)[y_t] per row, c the optional logit soft-cap, one sequence at a time.
+    """The gradient of Σ_t s_t log softmax(c(h_t Wᵀ) / T)[y_t] per row, c the optional logit soft-cap.
 
-    The backward recomputes the logits of one sequence at a time and, from the same probabilities, adds the LM head's
-    per-sample term (and keeps what the tied cross term needs) to ``norms``. With a soft-cap, the gradient w.r.t. the
-    raw logits z is the one w.r.t. the capped logits times c'(z) = 1 − tanh²(z/cap).
+    Only the objective's gradient is ever used (the pass differentiates it; its value is never read), so the forward
+    returns zeros and computes nothing. The backward computes the logits one sequence at a time and, from the same
+    probabilities, adds the LM head's per-sample term (and keeps what the tied cross term needs) to ``norms``. With a
+    soft-cap, the gradient w.r.t. the raw logits z is the one w.r.t. the capped logits times c'(z) = 1 − tanh²(z/cap).
+    The logits and the head's contractions are multiplied in the precision the model's own head would use (its
+    weight's, or autocast's when the pass runs under it, as the training forward does) with float32 accumulation and
+    result where the device can (`_matmul_fp32`), else in float32; softmax and everything after it in float32.
     """
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, token_scale, temperature, norms, head_trainable, tied_ids, softcap):
-        log_probs = []
-        for row_hidden, row_labels in zip(hidden, labels, strict=True):
-            logits = _softcapped(row_hidden.float() @ weight.float().T, softcap) / temperature
-            log_probs.append(torch.log_softmax(logits, -1).gather(-1, row_labels.unsqueeze(-1)).squeeze(-1))
+        ctx.head_dtype = _autocast_dtype(hidden.device.type) or weight.dtype
         ctx.save_for_backward(hidden, weight, labels, token_scale)
         ctx.temperature, ctx.norms, ctx.head_trainable, ctx.tied_ids = temperature, norms, head_trainable, tied_ids
         ctx.softcap = softcap
-        return (torch.stack(log_probs) * token_scale).sum(-1)
+        return hidden.new_zeros(hidden.shape[0], dtype=torch.float32)
 
     @staticmethod
+    @record_function("ghost_norms.head_backward")
     def backward(ctx, grad_output):
         hidden, weight, labels, token_scale = ctx.saved_tensors
-        w = weight.float()
+        dtype = ctx.head_dtype if _half_matmul_returns_fp32(hidden.device.type, ctx.head_dtype) else torch.float32
+        w = weight.to(dtype)
         grad_hidden = torch.zeros_like(hidden, dtype=torch.float32)
         head_sq = torch.zeros(hidden.shape[0], device=hidden.device)
-        for i, (row_hidden, row_labels) in enumerate(zip(hidden.float(), labels, strict=True)):
-            raw = row_hidden @ w.T
+        for i, (row_hidden, row_labels) in enumerate(zip(hidden, labels, strict=True)):
+            row_hidden = row_hidden.to(dtype)
+            raw = _matmul_fp32(row_hidden, w.T)
             probs = torch.softmax(_softcapped(raw, ctx.softcap) / ctx.temperature, -1)
             delta = -probs
             delta[torch.arange(len(row_labels)), row_labels] += 1.0
             delta *= (grad_output[i] * token_scale[i] / ctx.temperature).unsqueeze(-1)  # ∂objective/∂logits
             if ctx.softcap is not None:
                 delta *= 1.0 - torch.tanh(raw / ctx.softcap).square()  # ∂objective/∂(raw logits)
-            grad_hidden[i] = delta @ w
+            delta_in = delta.to(w.dtype)
+            grad_hidden[i] = _matmul_fp32(delta_in, w)
             if ctx.head_trainable:
-                head_sq[i] = ((row_hidden @ row_hidden.T) * (delta @ delta.T)).sum()
+                head_sq[i] = (_matmul_fp32(row_hidden, row_hidden.T) * _matmul_fp32(delta_in, delta_in.T)).sum()
             if ctx.tied_ids is not None:
-                ctx.norms.head_cross[i] = (delta[:, ctx.tied_ids[i]], row_hidden)
+                ctx.norms.head_cross[i] = (delta[:, ctx.tied_ids[i]], row_hidden.float())
         ctx.norms.add(head_sq)
         return grad_hidden.to(hidden.dtype), None, None, None, None, None, None, None, None
 
@@ -200,24 +248,28 @@ def log_likelihood_grad_sq_norms(
     def on_grad(module, grad):
         inputs = saved[module].pop()  # backward visits the calls in reverse order
         if isinstance(module, nn.Linear):
-            norms.add(_linear_sq(inputs, grad))
-            if module.bias is not None and module.bias.requires_grad:
-                norms.add(grad.float().flatten(1, -2).sum(1).pow(2).sum(-1))
+            with record_function("ghost_norms.linear"):
+                norms.add(_linear_sq(inputs, grad))
+                if module.bias is not None and module.bias.requires_grad:
+                    norms.add(grad.float().flatten(1, -2).sum(1).pow(2).sum(-1))
         else:
-            norms.add(_rms_norm_sq(module, inputs, grad))
+            with record_function("ghost_norms.rms_norm"):
+                norms.add(_rms_norm_sq(module, inputs, grad))
 
     handles = [m.register_forward_hook(on_forward) for m in modules]
     tied = embedding.weight is head.weight and head.weight.requires_grad
     try:
         with torch.enable_grad():
             embeddings = embedding(input_ids).detach().requires_grad_(True)
-            hidden = backbone(inputs_embeds=embeddings, attention_mask=attention_mask, use_cache=False).last_hidden_state
+            with record_function("ghost_norms.backbone_forward"):
+                hidden = backbone(inputs_embeds=embeddings, attention_mask=attention_mask, use_cache=False).last_hidden_state
             completion_hidden = hidden[:, -logits_to_keep - 1 : -1]
             objective = _LogLikelihoodHead.apply(
                 completion_hidden, head.weight, input_ids[:, -logits_to_keep:], token_scale.to(hidden.dtype),
                 temperature, norms, head.weight.requires_grad, input_ids if tied else None, softcap,
             )
-            (embedding_grad,) = torch.autograd.grad(objective.sum(), embeddings)
+            with record_function("ghost_norms.backward"):
+                (embedding_grad,) = torch.autograd.grad(objective.sum(), embeddings)
     finally:
         for handle in handles:
             handle.remove()
@@ -228,9 +280,10 @@ def log_likelihood_grad_sq_norms(
     if embedding.padding_idx is not None:  # nn.Embedding gives its padding row no gradient
         embedding_grad = embedding_grad.masked_fill((input_ids == embedding.padding_idx).unsqueeze(-1), 0.0)
     if embedding.weight.requires_grad:
-        norms.add(_embedding_sq(input_ids, embedding_grad))
+        with record_function("ghost_norms.embedding"):
+            norms.add(_embedding_sq(input_ids, embedding_grad))
     if tied:  # outside the graph: the norms are weights of the loss, never a path for its gradient
-        with torch.no_grad():
+        with torch.no_grad(), record_function("ghost_norms.tied_cross"):
             cross = torch.stack(
                 [
                     (delta_at_ids * (row_hidden @ embedding_grad[i].float().T)).sum()

@@ -64,7 +64,8 @@ class OBLRPOOptions:
         metadata={
             "help": "Estimator of the per-completion weight w_i ∝ ‖∇_θ log π(o_i|q)‖² used by the baseline: 'logit' "
             "(Σ_t ‖∂ log p_t(y_t)/∂z_t‖², one chunked no-grad forward per generation batch), 'length' (number of "
-            "completion tokens, free), 'exact' (true squared gradient norm over the trainable parameters) or "
+            "completion tokens, free), 'exact' (true squared gradient norm over the trainable parameters, measured "
+            "for the groups whose rewards differ) or "
             "'uniform' (1, i.e. RLOO's baseline).",
             "choices": list(BASELINE_WEIGHTS),
         },

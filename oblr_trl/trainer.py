@@ -30,7 +30,7 @@ from trl import GRPOTrainer
 from trl.trainer.utils import get_callable_name, get_config_model_id
 
 from . import models
-from .advantages import aggregate_rewards, gradient_weighted_advantages
+from .advantages import aggregate_rewards, gradient_weighted_advantages, rows_whose_weights_matter
 from .baselines import PooledSlope
 from .completion_weights import CompletionWeights, loss_mask, reshard_fsdp2
 from .config import OBLRPOConfig, check_backend
@@ -320,16 +320,30 @@ class OBLRPOTrainer(GRPOTrainer):
         mode = "train" if self.model.training else "eval"
         if mode == "eval" and self.num_generations_eval < 2:
             return output  # no group to take a baseline from; evaluation does not use the advantages
-        self._replace_advantages(output, weights.compute(output, record if reuse else None, mode), mode)
-        return output
-
-    def _replace_advantages(self, output: dict, local_weights: torch.Tensor, mode: str) -> None:
-        """Swap TRL's group-mean advantages for r_i − b_i computed on the gathered rewards and weights."""
         num_generations = self.num_generations if mode == "train" else self.num_generations_eval
-        weights = self.accelerator.gather(local_weights.float().contiguous())
         rewards = aggregate_rewards(
             self._gathered_rewards_per_func, self.reward_weights, num_generations, self.multi_objective_aggregation
         )
+        local = self._process_rows(output["completion_ids"].size(0))
+        measure = None
+        if self.args.baseline_weights == "exact":  # the costly weights: only where they can change an advantage
+            matters = rows_whose_weights_matter(rewards, num_generations)
+            self._metrics[mode]["oblr/weights/measured_frac"].append(matters.float().mean().item())
+            measure = matters[local]
+        local_weights = weights.compute(output, record if reuse else None, mode, measure)
+        self._replace_advantages(output, local_weights, rewards, num_generations, local, mode)
+        return output
+
+    def _process_rows(self, local: int) -> slice:
+        """This process's completions among the gathered ones."""
+        return slice(self.accelerator.process_index * local, (self.accelerator.process_index + 1) * local)
+
+    def _replace_advantages(
+        self, output: dict, local_weights: torch.Tensor, rewards: torch.Tensor, num_generations: int, local: slice,
+        mode: str,
+    ) -> None:
+        """Swap TRL's group-mean advantages for r_i − b_i computed on the gathered rewards and weights."""
+        weights = self.accelerator.gather(local_weights.float().contiguous())
         result = gradient_weighted_advantages(
             rewards, weights, num_generations, self.args.leave_one_out, self.scale_rewards,
             estimator=self.args.baseline_estimator, shrinkage=self.args.baseline_shrinkage,
@@ -341,9 +355,7 @@ class OBLRPOTrainer(GRPOTrainer):
                 self.pooled_slope.update(
                     rewards.view(-1, num_generations), weights.view(-1, num_generations), self.args.leave_one_out
                 )
-        local = output["completion_ids"].size(0)
-        process_slice = slice(self.accelerator.process_index * local, (self.accelerator.process_index + 1) * local)
-        output["advantages"] = result.advantages[process_slice].to(output["advantages"])
+        output["advantages"] = result.advantages[local].to(output["advantages"])
 
         # TRL logged its own advantages for the completions table; replace them with the ones used.
         for _ in range(min(len(result.advantages), len(self._logs["advantages"]))):

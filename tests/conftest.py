@@ -156,6 +156,10 @@ BACKEND_MATRIX = [
     # the KL measured on 3 of the step's 8 completions: the same draw, whichever process holds each row
     {"baseline_weights": "logit", "snr_estimator": "cross_step", "num_iterations": 1, "tie_word_embeddings": False,
      "max_grad_norm": 0.0, "lr_trust_region_kl": 1e-4, "lr_trust_region_mode": "cap", "lr_trust_region_sample_size": 3},
+    # exact weights measured only where rewards differ: with 4 completions a prompt each process holds one group, and
+    # the one whose group has no spread must still run as many ghost-norm passes as the other under FSDP2
+    {"baseline_weights": "exact", "snr_estimator": "cross_step", "num_iterations": 1, "tie_word_embeddings": True,
+     "max_grad_norm": 0.0, "num_generations": 4, "reward": "alike_for_even_b"},
 ]
 
 
@@ -163,9 +167,10 @@ def backend_case_id(case: dict) -> str:
     trust_region = [f"trust_region_{case['lr_trust_region_mode']}"] if case.get("lr_trust_region_kl") else []
     if case.get("lr_trust_region_sample_size"):
         trust_region.append(f"kl_sample{case['lr_trust_region_sample_size']}")
+    groups = [f"groups_of_{case['num_generations']}_{case['reward']}"] if case.get("reward") else []
     return "-".join([case["baseline_weights"], case["snr_estimator"], f"iterations{case['num_iterations']}",
                      "tied" if case["tie_word_embeddings"] else "untied", "clipped" if case["max_grad_norm"] else "unclipped",
-                     *trust_region])
+                     *trust_region, *groups])
 
 
 @pytest.fixture(scope="session")

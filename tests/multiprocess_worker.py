@@ -61,8 +61,8 @@ class DeterministicTrainer(OBLRPOTrainer):
         self.generation_round += 1
         return completions, None
 
-    def _replace_advantages(self, output, local_weights, mode):
-        super()._replace_advantages(output, local_weights, mode)
+    def _replace_advantages(self, output, local_weights, *args):
+        super()._replace_advantages(output, local_weights, *args)
         gather = self.accelerator.gather
         self.gathered.append(
             {
@@ -74,6 +74,12 @@ class DeterministicTrainer(OBLRPOTrainer):
 
 def reward(completions, **kwargs):
     return [sum(ch.isdigit() for ch in c) / (1 + len(c)) for c in completions]
+
+
+def reward_alike_for_even_b(prompts, completions, **kwargs):
+    """`reward`, except that every completion of a prompt "a*b=" with b even scores 0.5: groups without reward spread,
+    whose `exact` weights are not measured (with 4 completions a prompt, one process holds such a group, the other not)."""
+    return [0.5 if int(p[2]) % 2 == 0 else r for p, r in zip(prompts, reward(completions), strict=True)]
 
 
 def run_case(case: dict, output_dir: str) -> dict:
@@ -88,7 +94,7 @@ def run_case(case: dict, output_dir: str) -> dict:
         per_device_train_batch_size=case["per_device_train_batch_size"],
         gradient_accumulation_steps=case["gradient_accumulation_steps"],
         num_iterations=case.get("num_iterations", 1),
-        num_generations=8,
+        num_generations=case.get("num_generations", 8),
         max_completion_length=6,
         max_steps=4,
         learning_rate=1e-2,
@@ -112,7 +118,7 @@ def run_case(case: dict, output_dir: str) -> dict:
     )
     trainer = DeterministicTrainer(
         model=tiny_causal_lm(tokenizer, tie_word_embeddings=case.get("tie_word_embeddings", False)),
-        reward_funcs=reward,
+        reward_funcs={"digits": reward, "alike_for_even_b": reward_alike_for_even_b}[case.get("reward", "digits")],
         args=config,
         train_dataset=Dataset.from_dict({"prompt": [f"{a}*{b}=" for a in range(6) for b in range(6)]}),
         processing_class=tokenizer,

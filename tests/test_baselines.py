@@ -25,7 +25,7 @@ def naive_baseline(rewards: list[float], weights: list[float], i: int, leave_one
     weighted = sum(weights[j] * rewards[j] for j in others) / denominator if denominator > 0 else NAN
     fell_back = not (math.isfinite(denominator) and denominator > 0 and math.isfinite(weighted))
     if all(rewards[j] == rewards[others[0]] for j in others):
-        return rewards[others[0]], fell_back  # any mean of identical values, taken exactly
+        return rewards[others[0]], False  # any mean of identical values, taken exactly: no weights needed
     return (uniform if fell_back else weighted), fell_back
 
 
@@ -240,3 +240,43 @@ def test_advantages_dispatch_to_the_estimator(estimator):
     assert not torch.allclose(default.advantages, other.advantages)
     with pytest.raises(ValueError, match="estimator"):
         gradient_weighted_advantages(rewards, weights, 4, estimator="median")
+
+
+def test_rows_whose_weights_matter_are_those_of_groups_with_reward_spread():
+    from oblr_trl.advantages import rows_whose_weights_matter
+
+    rewards = torch.tensor([1.0, 0.0, 1.0,    # spread
+                            0.5, 0.5, 0.5,    # all alike
+                            NAN, 0.2, 0.2,    # alike among the scored
+                            NAN, NAN, 0.7,    # one scored: no baseline at all
+                            NAN, 0.1, 0.3])   # spread among the scored
+    expected = [True] * 3 + [False] * 9 + [True] * 3
+    assert rows_whose_weights_matter(rewards, 3).tolist() == expected
+
+
+@pytest.mark.parametrize("estimator", ["weighted", "shrunk", "pooled_slope"])
+@pytest.mark.parametrize("leave_one_out", [True, False])
+def test_weights_of_groups_without_spread_change_no_advantage_and_no_fallback(estimator, leave_one_out):
+    """What lets `exact` skip measuring them: NaN (not measured), 0 or any weight there gives the same advantages, no
+    fallback is counted, and the pooled slope's fit is the one it would be were they the measured rows' mean."""
+    from oblr_trl.advantages import rows_whose_weights_matter
+    from oblr_trl.baselines import PooledSlope
+
+    generator = torch.Generator().manual_seed(3)
+    rewards = (torch.rand(40, 4, generator=generator, dtype=torch.float64) < 0.3).double().view(-1)
+    weights = torch.rand(160, generator=generator, dtype=torch.float64) + 0.1
+    matters = rows_whose_weights_matter(rewards, 4)
+    assert 0 < matters.sum() < len(matters)
+    unmeasured = torch.where(matters, weights, torch.full_like(weights, NAN))
+    mean_filled = torch.where(matters, weights, weights[matters].mean())
+    zero_filled = torch.where(matters, weights, torch.zeros_like(weights))
+    results = [gradient_weighted_advantages(rewards, w, 4, leave_one_out, estimator=estimator, slope=0.4)
+               for w in (unmeasured, mean_filled, zero_filled)]
+    for result in results[1:]:
+        assert torch.equal(result.advantages, results[0].advantages)
+    assert not any(result.fallback.any() for result in results)
+    fits = [PooledSlope(0.5) for _ in range(2)]
+    for fit, w in zip(fits, (unmeasured, mean_filled)):
+        fit.update(rewards.view(-1, 4), w.view(-1, 4), leave_one_out)
+        fit.update(rewards.view(-1, 4).flip(0), w.view(-1, 4).flip(0), leave_one_out)
+    assert fits[0].value == pytest.approx(fits[1].value, rel=1e-12) and fits[0].value != 0

@@ -19,7 +19,8 @@ def run(script, *args):
 
 
 @pytest.mark.parametrize("script", ["variance.py", "overhead.py", "learning.py", "synthetic_learning.py",
-                                    "stability.py", "step_kl_sampling.py", "random_model.py"])
+                                    "stability.py", "step_kl_sampling.py", "random_model.py",
+                                    "exact_weights_profile.py"])
 def test_help(script):
     assert "usage" in run(script, "--help")
 
@@ -53,6 +54,39 @@ def test_overhead_smoke(saved_tiny_model, tmp_path):
     low, high = summary["oblrpo"]["time_ratio_ci"]
     assert low <= summary["oblrpo"]["time_ratio_mean"] <= high
     assert summary["exact"]["peak_memory_mib"] > 0 and (tmp_path / "overhead.png").exists()
+    assert 0 <= summary["exact"]["weights_measured_frac"] <= 1 and summary["oblrpo"]["weights_measured_frac"] is None
+
+
+def test_overhead_resume_reuses_the_recorded_runs_and_runs_only_the_missing_ones(saved_tiny_model, tmp_path):
+    """Each run is recorded as it finishes (a lent GPU's time limit may cut the benchmark short); --resume runs only
+    what is missing and reports every run."""
+    common = ["--model", str(saved_tiny_model), "--steps", "1", "--max_completion_length", "3",
+              "--set", "num_generations=4", "--output_dir", str(tmp_path)]
+    run("overhead.py", "--variants", "grpo", "oblrpo", "--repeats", "1", *common)
+    log = tmp_path / "overhead_runs.jsonl"
+    first = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(first) == 2
+    run("overhead.py", "--variants", "grpo", "oblrpo", "--repeats", "2", "--resume", *common)
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert records[:2] == first and len(records) == 4  # repeat 0 reused, repeat 1 run
+    results = json.loads((tmp_path / "overhead.json").read_text())
+    assert sorted((r["variant"], r["repeat"]) for r in results["runs"]) == [("grpo", 0), ("grpo", 1), ("oblrpo", 0),
+                                                                            ("oblrpo", 1)]
+    reused = {(r["result"]["variant"], r["result"]["repeat"]): r["result"] for r in first}
+    assert all(run_ == reused[run_["variant"], run_["repeat"]] for run_ in results["runs"] if run_["repeat"] == 0)
+    run("overhead.py", "--variants", "grpo", "oblrpo", "--repeats", "1", *common)  # without --resume: a fresh log
+    assert len(log.read_text().splitlines()) == 2
+
+
+def test_exact_weights_profile_smoke(saved_tiny_model, tmp_path):
+    out = run("exact_weights_profile.py", "--model", str(saved_tiny_model), "--rows", "4", "--chunk", "2",
+              "--prompt_length", "4", "--completion_length", "3", "--repeats", "1", "--output_dir", str(tmp_path))
+    results = json.loads((tmp_path / "exact_weights_profile.json").read_text())
+    assert set(results["median_seconds"]) == {"training_pass", "no_grad_forward", "ghost_pass"}
+    phases = {row["phase"]: row for row in results["phases"]}
+    assert {"backbone_forward", "backward", "linear", "head_backward"} <= set(phases)
+    assert phases["head_backward"]["calls"] == 2 and phases["linear"]["ms"] > 0  # one per chunk of 2 rows
+    assert results["top_operators"] and (tmp_path / "exact_weights_profile.png").exists() and "| phase |" in out
 
 
 def test_overhead_times_generation_and_the_trainers_part_on_a_random_model_of_a_named_shape(tmp_path):

@@ -109,3 +109,16 @@ def test_final_logit_softcapping_matches_the_per_row_loop(tokenizer, tied):
 
 def test_report_largest_error():
     print(f"\nlargest relative error against the per-row loop: {max(LARGEST):.2e} over {len(LARGEST)} checks")
+
+
+def test_under_autocast_matches_the_per_row_loop_under_it(tokenizer):
+    """A float32 model trained under bf16 mixed precision: the pass runs under the same autocast (the trainer enters
+    it, `test_weights.py`) and measures the gradients training computes, within bf16's precision (the CPU twin of the
+    bf16 check in `test_gpu.py`)."""
+    model = tiny_causal_lm(tokenizer, "qwen3", hidden_size=64, tie_word_embeddings=True, seed=3)
+    ids, mask, keep, scale = padded_batch(tokenizer)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        reference = oracle(model, ids, mask, keep, scale, 0.8)
+        ghost = log_likelihood_grad_sq_norms(model, ids, mask, keep, scale, 0.8)
+    assert ghost.dtype == torch.float32
+    assert ((ghost - reference).abs() / reference).max().item() < 5e-2

@@ -30,8 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 class RecordedWeightsUnderIS(CompletionWeights):
     """Records, per generation batch, the weights used, the plain logit-proxy inputs and TRL's IS ratios."""
 
-    def compute(self, output, record, mode):
-        used = super().compute(output, record, mode)
+    def compute(self, output, record, mode, measure=None):
+        used = super().compute(output, record, mode, measure)
         log_probs, log_sum_sq = self.logit_inputs(output, None, mode)  # a fresh forward, no IS
         self.trainer._metrics[mode]["oblr/weights/extra_forward"].pop()  # that forward is the test's, not the trainer's
         self.trainer.weight_records.append((used, log_probs, log_sum_sq, loss_mask(output),

@@ -116,7 +116,8 @@ def _record(sample_size, batches, counts=None, process_index=0, seed=0):
         local["sums"] = stats.clone()
         return stats
 
-    gather = (lambda t: torch.tensor(counts)) if counts is not None else (lambda t: t)
+    # gather: every process's [row count, widths agree]; the others' stand-in counts, this process's flag for all
+    gather = (lambda t: torch.tensor([[c, t[1]] for c in counts]).flatten()) if counts is not None else (lambda t: t)
     recorder = StepKLRecorder(None, token_log_probs, reduce_sum, sample_size, gather, process_index, seed)
     for batch, old, mask in batches:
         recorder.keep(batch, old, mask)
@@ -136,14 +137,10 @@ def test_a_sample_of_the_step_measures_only_the_drawn_completions_and_their_toke
     assert sorted(forwarded_all) == [0, 1, 2, 3, 100, 101, 102, 103]
     kl, forwarded, sums, _ = _record(3, batches)
     assert _record(3, batches)[0] == kl  # the same step draws the same rows
-    # one forward per micro-batch: the drawn rows, plus one row counted with weight 0 where none was drawn
-    assert 3 <= len(forwarded) <= 4
+    assert len(forwarded) == 3  # the drawn rows of both micro-batches, in one forward
     drawn = {0: [], 1: []}
     for row_id in forwarded:
         drawn[row_id // 100].append(row_id % 100)
-    if len(forwarded) == 4:  # the micro-batch with the lone row holds none of the 3 drawn
-        lone = next(index for index, rows in drawn.items() if len(rows) == 1)
-        drawn[lone] = []
     total, tokens = 0.0, 0.0
     for index, (batch, old, mask) in enumerate(batches):
         if drawn[index]:
@@ -153,6 +150,31 @@ def test_a_sample_of_the_step_measures_only_the_drawn_completions_and_their_toke
     assert sums[1].item() == tokens < 8 * 3  # the drawn completions' tokens only
     assert kl == pytest.approx(total / tokens, rel=1e-6) and kl != pytest.approx(full, rel=1e-3)
     assert _record(8, batches)[0] == full and _record(100, batches)[0] == full  # a sample of all: the full measure
+
+
+def test_micro_batches_of_other_widths_are_measured_one_forward_each():
+    """Where a process's micro-batches differ in width (several generation batches in one step), each is measured in
+    a forward of its own: its drawn rows, or one row counted with weight 0 where none was drawn."""
+    batches = [_micro_batch(4, width=3, seed=0), _micro_batch(4, width=4, seed=1)]
+    _, forwarded, sums, recorder = _record(1, batches)
+    assert len(forwarded) == 2 and sums[1].item() in (2.0, 3.0, 4.0)  # one completion's tokens counted
+    drawn, largest = recorder._drawn_rows(batches)
+    assert largest == 0 and sum(int(d.sum()) for d in drawn) == 1
+
+
+def test_every_process_forwards_as_many_rows_as_the_one_that_drew_most():
+    """A sharded model needs every process in every forward (and chunk): a process that drew fewer of the step's rows
+    pads its one forward with rows counted with weight 0."""
+    from oblr_trl.step_kl import StepKLRecorder
+
+    one = [_micro_batch(4, seed=0), _micro_batch(4, seed=1)]
+    for seed in range(6):
+        drawn = StepKLRecorder(None, lambda b: b["new"], lambda s: s, 5, lambda t: t, 0, seed)._drawn_rows(one)[0]
+        per_process = [int(drawn[0].sum()), int(drawn[1].sum())]
+        for rank in (0, 1):
+            _, forwarded, sums, _ = _record(5, [one[rank]], counts=[4, 4], process_index=rank, seed=seed)
+            assert len(forwarded) == max(per_process)
+            assert sums[1].item() == one[rank][2][drawn[rank]].sum().item()  # the drawn rows' tokens only
 
 
 def test_the_sample_is_the_same_in_any_process_layout_and_resumes_with_the_run():
@@ -178,7 +200,7 @@ def test_the_draw_of_each_step_is_uniform_over_the_steps_completions():
     counts = torch.zeros(8)
     recorder = StepKLRecorder(None, lambda b: b["new"], lambda s: s, 2, lambda t: t, 0, seed=3)
     for _ in range(2000):
-        drawn = recorder._drawn_rows(batches)
+        drawn, _ = recorder._drawn_rows(batches)
         counts += torch.cat(drawn).float()
         recorder.measured_steps += 1
     assert counts.sum() == 2 * 2000
@@ -361,9 +383,9 @@ def test_each_trust_region_option_changes_the_factor(make_trainer):
 
 
 def test_a_sample_size_measures_the_step_on_that_many_completions(make_trainer):
-    """8 completions a step in 2 micro-batches of 4: with a sample of 1 the measuring forwards see 2 rows a step (the
-    drawn one, and one row with weight 0 in the other micro-batch), against all 8 with the default sample of 8 or
-    none; 16 completions a step: the default measures 8."""
+    """8 completions a step in 2 micro-batches of 4: with a sample of 1 the measuring forward sees the drawn row (one
+    forward for the step), against all 8 with the default sample of 8 or none; 16 completions a step: the default
+    measures 8."""
     rows = []
 
     def counting(trainer):
@@ -390,14 +412,13 @@ def test_a_sample_size_measures_the_step_on_that_many_completions(make_trainer):
     counting(make_trainer(lr_trust_region_sample_size=None, **common)).train()
     assert rows == [8, 8, 8]
     rows.clear()
-    # 16 completions a step in 2 micro-batches of 8: the default measures 8 of them (a lone row more where a
-    # micro-batch holds none of the drawn)
+    # 16 completions a step in 2 micro-batches of 8: the default measures 8 of them
     counting(make_trainer(per_device_train_batch_size=8, **common)).train()
-    assert all(8 <= count <= 9 for count in rows) and len(rows) == 3
+    assert rows == [8, 8, 8]
     rows.clear()
     sampled = counting(make_trainer(lr_trust_region_sample_size=1, **common))
     sampled.train()
-    assert rows == [2, 2, 2]
+    assert rows == [1, 1, 1]
     assert sampled.kl_recorder.measured_steps == 3
     assert all(h["oblr/step_kl"] >= 0 for h in sampled.state.log_history if "loss" in h)
 

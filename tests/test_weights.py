@@ -112,8 +112,8 @@ def test_weights_from_generation_logits_match_a_forward_pass(make_trainer):
     pairs = []
 
     class BothSourcesWeights(CompletionWeights):
-        def compute(self, output, record, mode):
-            used = super().compute(output, record, mode)  # takes the captured generation logits
+        def compute(self, output, record, mode, measure=None):
+            used = super().compute(output, record, mode, measure)  # takes the captured generation logits
             pairs.append((used, super().compute(output, None, mode)))  # runs a forward
             return used
 
@@ -179,3 +179,67 @@ def test_weights_follow_how_the_loss_scales_each_completion(make_trainer, loss_t
     lengths = mask.sum(-1)
     if loss_type in ("grpo", "sapo") and lengths.unique().numel() > 1:  # the test can see a wrong gain
         assert not torch.allclose(gains, torch.ones_like(gains))
+
+
+def test_exact_weights_are_measured_only_where_rewards_differ(make_trainer):
+    """Prompts "a+b=" with b even score 0.5 for every completion (the others their length): their groups' exact weights cannot change an
+    advantage, so the ghost-norm pass skips them (NaN weights, `oblr/weights/measured_frac`), and the weights it does
+    measure are those of a pass over every completion (that the advantages then agree: `test_baselines.py`)."""
+    from oblr_trl import OBLRPOTrainer
+    from oblr_trl.completion_weights import CompletionWeights
+
+    def alike_for_even_b(prompts, completions, **kwargs):
+        return [0.5 if int(p[2]) % 2 == 0 else len(c) / 10 for p, c in zip(prompts, completions)]
+
+    measured_rows, batches = [], []
+
+    class Recording(CompletionWeights):
+        def grad_sq_norms(self, batch, token_scale):
+            measured_rows.append(batch["completion_ids"].size(0))
+            return super().grad_sq_norms(batch, token_scale)
+
+        def compute(self, output, record, mode, measure=None):
+            used = super().compute(output, record, mode, measure)
+            batches.append((used, super().compute(output, record, mode), measure))
+            return used
+
+    class Trainer(OBLRPOTrainer):
+        weights_class = Recording
+
+    trainer = make_trainer(trainer_cls=Trainer, reward_funcs=alike_for_even_b, baseline_weights="exact",
+                           baseline_estimator="weighted", max_steps=2, shuffle_dataset=False)
+    trainer.train()
+    assert len(batches) == 2
+    for used, every, measure in batches:
+        assert measure.tolist() == [False] * 4 + [True] * 4  # prompts 0+0= (alike), 0+1=; then 0+2=, 0+3=
+        assert torch.equal(used[measure], every[measure]) and used[~measure].isnan().all()
+    # per generation batch: 4 measured rows (its spread group), then all 8 (the comparison above)
+    assert measured_rows == [4, 8, 4, 8]
+    fractions = [log["oblr/weights/measured_frac"] for log in trainer.state.log_history if "loss" in log]
+    assert fractions == [0.5, 0.5]
+
+
+def test_exact_weights_run_under_the_mixed_precision_of_training(make_trainer):
+    """accelerate runs the model's own forward under autocast (bf16 here); the ghost-norm pass calls the backbone
+    directly, so the trainer enters the same autocast for it: the layers compute as in training."""
+    from oblr_trl import OBLRPOTrainer
+    from oblr_trl.completion_weights import CompletionWeights
+
+    seen = []
+
+    class Spying(CompletionWeights):
+        def grad_sq_norms(self, batch, token_scale):
+            layer = self.policy.model.layers[0].mlp.down_proj
+            handle = layer.register_forward_hook(lambda *_: seen.append(torch.is_autocast_enabled("cpu")))
+            try:
+                return super().grad_sq_norms(batch, token_scale)
+            finally:
+                handle.remove()
+
+    class Trainer(OBLRPOTrainer):
+        weights_class = Spying
+
+    trainer = make_trainer(trainer_cls=Trainer, baseline_weights="exact", bf16=True, use_cpu=True, max_steps=1)
+    assert next(trainer.model.parameters()).dtype == torch.float32
+    trainer.train()
+    assert seen and all(seen)
