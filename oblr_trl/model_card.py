@@ -70,6 +70,14 @@ def final_metrics(history: list[dict], training_seconds: float | None = None) ->
     factors = [entry["snr/lr_factor"] for entry in history if _is_finite_number(entry.get("snr/lr_factor"))]
     if factors:
         rows.append(("learning-rate factor", f"mean {statistics.fmean(factors):.3f}, range {min(factors):.3f}–{max(factors):.3f}"))
+    noise = [entry for entry in history if _is_finite_number(entry.get("oblr/noise_scale"))]
+    if noise:  # the batch-size counterpart of the step size (McCandlish et al. 2018), over the last fifth measured
+        window = noise[-max(1, len(noise) // 5):]
+        scale = statistics.median(entry["oblr/noise_scale"] for entry in window)
+        used = window[-1].get("oblr/completions_per_step")
+        rows.append(("gradient noise scale", f"~{scale:.3g} completions (B_noise = tr Σ/‖μ‖², median of the last "
+                     f"{counted(len(window), 'measured step')})" + (f"; this run used {used:.0f} a step" if
+                                                                   _is_finite_number(used) else "")))
     summary = next((entry for entry in reversed(history) if "train_runtime" in entry), None)
     if summary is not None:
         training_seconds = summary.get(TOTAL_RUNTIME_KEY, summary["train_runtime"])

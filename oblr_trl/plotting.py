@@ -16,6 +16,7 @@ PANELS = (
     ("snr/effective_lr", "learning rate used"),
     ("oblr/step_kl", "policy KL of each step (π_t ‖ π_t+1)"),
     ("oblr/trust_region_factor", "trust-region factor"),
+    ("oblr/noise_scale", "gradient noise scale B_noise (completions)"),
 )
 
 
@@ -46,7 +47,8 @@ def _series(history: list[dict], key: str) -> tuple[list[int], list[float]]:
 
 
 def plot_run(run_dir: str | Path, output: str | Path | None = None) -> Path:
-    """Plot reward, accuracy, completion length, SNR, f_t and the effective learning rate against step."""
+    """Plot reward, accuracy, completion length, SNR, f_t, the effective learning rate, the step KL, the trust-region
+    factor and the gradient noise scale (beside the completions a step) against step."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -54,7 +56,7 @@ def plot_run(run_dir: str | Path, output: str | Path | None = None) -> Path:
     from matplotlib.ticker import MaxNLocator
 
     history = load_log_history(run_dir)
-    figure, axes = plt.subplots(2, 4, figsize=(19, 8), constrained_layout=True)
+    figure, axes = plt.subplots(3, 3, figsize=(15, 11), constrained_layout=True)
     for axis, (key, title) in zip(axes.flat, PANELS, strict=True):
         steps, values = _series(history, key)
         axis.set_title(title)
@@ -62,8 +64,13 @@ def plot_run(run_dir: str | Path, output: str | Path | None = None) -> Path:
         axis.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
         if values:
             axis.plot(steps, values, marker="." if len(values) < 50 else None)
-            if key in ("snr/snr", "oblr/step_kl") and min(values) > 0:
+            if key in ("snr/snr", "oblr/step_kl", "oblr/noise_scale") and min(values) > 0:
                 axis.set_yscale("log")
+            if key == "oblr/noise_scale":  # more completions a step than B_noise stop shortening training
+                used_steps, used = _series(history, "oblr/completions_per_step")
+                if used:
+                    axis.plot(used_steps, used, ls="--", color="gray", label="completions a step")
+                    axis.legend()
         else:
             axis.text(0.5, 0.5, "not logged", ha="center", va="center", transform=axis.transAxes)
         axis.grid(alpha=0.3)

@@ -25,6 +25,7 @@ __all__ = [
     "NoiseEstimate",
     "SNRLearningRateController",
     "cross_step_noise_estimate",
+    "gradient_noise_scale",
     "per_sample_noise_estimate",
     "snr_lr_factor",
     "two_batch_noise_estimate",
@@ -125,6 +126,19 @@ def snr_lr_factor(grad_sq_norm: float, trace_cov: float, num_samples: float, flo
     noise = max(trace_cov, 0.0)
     factor = 1.0 if signal + noise == 0.0 else signal / (signal + noise)
     return min(1.0, max(floor, factor))
+
+
+def gradient_noise_scale(trace_cov: float, grad_sq_norm: float, completions_per_sample: float = 1.0) -> float:
+    """B_noise = tr(Σ) / ‖μ‖², McCandlish et al. 2018's "simple noise scale" (DESIGN §2), in completions.
+
+    tr(Σ) and ‖μ‖² are per sample of the estimator (a completion, or a prompt's group for the cross-step estimator), so
+    B_noise counts samples; ``completions_per_sample`` (G for the cross-step estimator, else 1) turns it into
+    completions. It is the batch beyond which more completions a step stop shortening training: the step's f =
+    1/(1 + B_noise/N). NaN where ‖μ‖² is not positive (no measured signal) or either estimate is not finite.
+    """
+    if not (math.isfinite(trace_cov) and math.isfinite(grad_sq_norm)) or grad_sq_norm <= 0.0:
+        return float("nan")
+    return max(trace_cov, 0.0) / grad_sq_norm * completions_per_sample
 
 
 class BiasCorrectedEMA:

@@ -34,6 +34,7 @@ from .snr import (
     NoiseEstimate,
     SNRLearningRateController,
     cross_step_noise_estimate,
+    gradient_noise_scale,
     per_sample_noise_estimate,
     two_batch_noise_estimate,
 )
@@ -191,6 +192,11 @@ class StepNoiseRecorder:
         metrics["snr/trace_cov_ema"].append(controller.trace_cov.value)
         metrics["snr/snr"].append(snr if math.isfinite(snr) else float("nan"))
         metrics["snr/noise_scale"].append(1.0 / snr if math.isfinite(snr) and snr > 0 else float("nan"))
+        # the same in completions, beside the completions the step used: the batch-size counterpart of the step size
+        metrics["oblr/noise_scale"].append(
+            gradient_noise_scale(controller.trace_cov.value, controller.grad_sq_norm.value, samples / units if units else 1.0)
+        )
+        metrics["oblr/completions_per_step"].append(samples)
         metrics["snr/bound_factor"].append(controller.bound_factor(units))
         metrics["snr/resolved"].append(float(controller.resolved))
         if controller.reference == "calibrated":

@@ -148,6 +148,23 @@ def test_model_card_of_a_local_model_on_a_hub_dataset():
     assert "on [openai/gsm8k](https://huggingface.co/datasets/openai/gsm8k)." in card
     assert "base_model" not in card and "datasets:\n- openai/gsm8k" in card and 'model="me/run"' in card
     assert "| mean reward | 0.200 (first 1 logged step) → 0.600 (last 1) |" in card and "| training time | 12 s |" in card
+    assert "noise scale" not in card  # not logged: not stated
+
+
+def test_model_card_states_the_gradient_noise_scale_beside_the_completions_a_step():
+    from oblr_trl.model_card import ModelCardFacts, model_card_text
+
+    history = [{"step": s, "reward": 0.5, "oblr/noise_scale": scale, "oblr/completions_per_step": 64.0}
+               for s, scale in enumerate([float("nan"), 900.0, 300.0, 500.0, 400.0, 420.0, 380.0], 1)]
+    facts = ModelCardFacts(
+        model_name="run", base_model=None, base_model_path="/m", hub_model_id=None, output_dir="out", dataset_id=None,
+        dataset_description=None, settings={}, log_history=history, tags=[], paper={"title": "t", "id": "i",
+                                                                                   "citation": "c"},
+    )
+    card = model_card_text(facts)
+    # the last fifth of the 6 measured steps (1 step), NaN skipped
+    assert ("| gradient noise scale | ~380 completions (B_noise = tr Σ/‖μ‖², median of the last 1 measured step); "
+            "this run used 64 a step |") in card
 
 
 def test_eval_results_of_non_local_models_go_to_a_folder_per_model():
@@ -528,7 +545,8 @@ def test_training_curves_label_whole_optimizer_steps(tmp_path, monkeypatch):
 
     from oblr_trl.plotting import plot_run
 
-    history = [{"step": step, "loss": 0.1, "reward": 0.1 * step} for step in (1, 2, 3)]
+    history = [{"step": step, "loss": 0.1, "reward": 0.1 * step, "oblr/noise_scale": 10.0 * step,
+                "oblr/completions_per_step": 8} for step in (1, 2, 3)]
     (tmp_path / "trainer_state.json").write_text(json.dumps({"log_history": history}))
     ticks, save = [], matplotlib.figure.Figure.savefig
 
@@ -540,3 +558,23 @@ def test_training_curves_label_whole_optimizer_steps(tmp_path, monkeypatch):
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", recording_save)
     plot_run(tmp_path)
     assert ticks and all(float(tick).is_integer() for tick in ticks)  # not 1.25, 1.5, …
+    assert (tmp_path / "training_curves.png").exists()
+
+
+def test_training_curves_draw_the_noise_scale_beside_the_completions_a_step(tmp_path, monkeypatch):
+    import matplotlib.figure
+
+    from oblr_trl.plotting import plot_run
+
+    history = [{"step": step, "loss": 0.1, "oblr/noise_scale": 10.0 * step, "oblr/completions_per_step": 8}
+               for step in (1, 2, 3)]
+    (tmp_path / "trainer_state.json").write_text(json.dumps({"log_history": history}))
+    panels, save = {}, matplotlib.figure.Figure.savefig
+
+    def recording_save(figure, *args, **kwargs):
+        panels.update({axis.get_title(): [list(line.get_ydata()) for line in axis.get_lines()] for axis in figure.axes})
+        return save(figure, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", recording_save)
+    plot_run(tmp_path)
+    assert panels["gradient noise scale B_noise (completions)"] == [[10.0, 20.0, 30.0], [8, 8, 8]]

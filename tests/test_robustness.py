@@ -100,7 +100,7 @@ class BadWeights(RecordingTrainer):
     def __init__(self, *args, weights=(), **kwargs):
         super().__init__(*args, **kwargs)
         forced = torch.tensor(weights)
-        self.completion_weights.compute = lambda output, record, mode: forced.repeat(8)[: output["completion_ids"].size(0)]
+        self.completion_weights.compute = lambda output, record, mode, measure=None: forced.repeat(8)[: output["completion_ids"].size(0)]
 
 
 @pytest.mark.parametrize(
