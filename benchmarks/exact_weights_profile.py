@@ -57,16 +57,11 @@ def load_model(name: str, output_dir: Path, dtype):
     import torch
     from transformers import AutoModelForCausalLM
 
+    import random_model
     from oblr_trl.models import resolve_model
 
-    if name.startswith("random:"):
-        import random_model
-
-        folder = output_dir / "runs" / f"random-{name[len('random:'):]}"
-        if not (folder / "config.json").exists():
-            random_model.build(name[len("random:"):], resolve_model("builtin:smollm2-135m-instruct"), str(folder))
-        name = str(folder)
-    model = AutoModelForCausalLM.from_pretrained(resolve_model(name), dtype=getattr(torch, dtype))
+    model = AutoModelForCausalLM.from_pretrained(resolve_model(random_model.resolve(name, output_dir)),
+                                                 dtype=getattr(torch, dtype))
     return model.to("cuda" if torch.cuda.is_available() else "cpu")
 
 

@@ -60,6 +60,7 @@ from common import (  # noqa: E402
     text_hash_parity_reward,
     write_results,
 )
+import random_model  # noqa: E402
 
 VARIANTS = {
     "grpo": None,  # TRL's GRPOTrainer with GRPOConfig defaults
@@ -164,22 +165,6 @@ class PeakMemory:
             self._stop.set()
             self._thread.join()
             self.peak = max(self.peak, self.process.memory_info().rss)
-
-
-def resolve_benchmark_model(model: str, output_dir: Path) -> str:
-    """``random:<shape>`` as a folder holding a randomly initialised model of that shape with the built-in SmolLM2
-    tokenizer (built once, under ``output_dir/runs``; `random_model.py --output` can put one there with another
-    tokenizer); anything else as the trainer would read it."""
-    if not model.startswith("random:"):
-        return model
-    import random_model
-    from oblr_trl.models import resolve_model
-
-    shape = model[len("random:"):]
-    folder = output_dir / "runs" / f"random-{shape}"
-    if not (folder / "config.json").exists():
-        random_model.build(shape, resolve_model("builtin:smollm2-135m-instruct"), str(folder))
-    return str(folder)
 
 
 class PhaseTimer:
@@ -409,7 +394,7 @@ def main(argv=None):
     overrides = parse_overrides(args.overrides)
     output_dir = Path(args.output_dir)
     preset = PRESETS[args.preset]
-    model = resolve_benchmark_model(args.model or preset["model"], output_dir)
+    model = random_model.resolve(args.model or preset["model"], output_dir)
     length = args.max_completion_length or preset.get("max_completion_length", 24)
     specs = [
         {"preset": args.preset, "model": model, "overrides": overrides, "variant": variant, "repeat": repeat,

@@ -11,6 +11,7 @@ copied from the models' published `config.json`; the vocabulary is the given tok
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 QWEN3 = dict(max_position_embeddings=40960, rope_theta=1_000_000.0)
 LLAMA_SMOLLM2 = dict(max_position_embeddings=8192, rope_theta=130_000.0, rms_norm_eps=1e-5)
@@ -47,6 +48,21 @@ def build(shape: str, tokenizer_path: str, output: str, seed: int = 0) -> str:
     tokenizer.save_pretrained(output)
     print(f"{shape}: {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters -> {output}")
     return output
+
+
+def resolve(model: str, output_dir: Path) -> str:
+    """``random:<shape>`` as a folder holding a randomly initialised model of that shape with the built-in SmolLM2
+    tokenizer (built once, under ``output_dir/runs``; ``--output`` can put one there with another tokenizer);
+    anything else as it is."""
+    if not model.startswith("random:"):
+        return model
+    from oblr_trl.models import resolve_model
+
+    shape = model[len("random:"):]
+    folder = Path(output_dir) / "runs" / f"random-{shape}"
+    if not (folder / "config.json").exists():
+        build(shape, resolve_model("builtin:smollm2-135m-instruct"), str(folder))
+    return str(folder)
 
 
 def main(argv=None) -> int:

@@ -204,22 +204,22 @@ class CompletionWeights:
     def exact_weights(self, batch: dict[str, Any], token_scale: torch.Tensor, measure: torch.Tensor | None) -> torch.Tensor:
         """`grad_sq_norms` of the completions in ``measure`` (all if None), NaN for the others.
 
-        Under FSDP2 every process must run as many ghost-norm passes as the others (each pass all-gathers the
-        parameters layer by layer), so a process with fewer chunks to measure runs the missing ones on one of its
-        rows with token scale 0 and discards them.
+        Under FSDP2 every process must run the same ghost-norm passes (each all-gathers the parameters layer by
+        layer), so a process with fewer completions to measure pads them, as the trust region's sample is padded, with
+        rows of token scale 0 up to the most any process measures; processes wait for each other there anyway.
         """
         rows = batch["completion_ids"].size(0)
-        index = torch.arange(rows, device=token_scale.device) if measure is None else measure.nonzero().squeeze(-1)
-        weights = torch.full((rows,), float("nan"), device=token_scale.device)
-        missing = 0  # passes the other processes run beyond this one's (counted before any pass's collectives)
+        index = torch.arange(rows, device=token_scale.device) if measure is None else measure.nonzero().flatten()
+        measured = len(index)
         if self.trainer._is_fsdp2:
-            chunks = torch.tensor([math.ceil(len(index) / self._per_sample_chunk_size())], device=token_scale.device)
-            missing = int(self.trainer.accelerator.gather(chunks).max() - chunks)
+            most = int(self.trainer.accelerator.gather(torch.tensor([measured], device=token_scale.device)).max())
+            index = torch.cat([index, index.new_zeros(most - measured)])
+        scale = token_scale[index]
+        scale[measured:] = 0.0
+        weights = torch.full((rows,), float("nan"), device=token_scale.device)
         if len(index):
-            weights[index] = self.grad_sq_norms(select_rows(batch, index, rows), token_scale[index])
-        first = torch.zeros(1, dtype=torch.long, device=token_scale.device)
-        for _ in range(missing):
-            self.grad_sq_norms(select_rows(batch, first, rows), torch.zeros_like(token_scale[first]))
+            subset = batch if measured == rows == len(index) else select_rows(batch, index, rows)
+            weights[index[:measured]] = self.grad_sq_norms(subset, scale)[:measured]
         return weights
 
     def logit_inputs(self, output: dict[str, Any], record: list | None, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -276,7 +276,9 @@ class CompletionWeights:
         (`looped_grad_sq_norms`), after one warning naming the layer: slower, never wrong, never an error.
         """
         input_ids, attention_mask, logits_to_keep = sequence_inputs(batch)
-        size = self._per_sample_chunk_size()
+        size = self.args.per_sample_batch_size or self._forward_batch_size(
+            "train" if self.trainer.model.training else "eval"
+        )
         if self.ghost_norms_unsupported is None:
             initialise_fsdp2_root(self.trainer.model)
             try:
@@ -306,11 +308,6 @@ class CompletionWeights:
                     "(correct, slower)."
                 )
         return self.looped_grad_sq_norms(batch, token_scale, size)
-
-    def _per_sample_chunk_size(self) -> int:
-        return self.args.per_sample_batch_size or self._forward_batch_size(
-            "train" if self.trainer.model.training else "eval"
-        )
 
     def refuse_parameter_gradients_under_fsdp2(self, reason: str) -> None:
         """The per-row fallback differentiates with respect to the parameters, which FSDP2 holds as shards outside

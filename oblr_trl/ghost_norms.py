@@ -104,16 +104,15 @@ def _linear_sq(inputs: torch.Tensor, grads: torch.Tensor) -> torch.Tensor:
     return _matmul_fp32(g.transpose(1, 2), a).pow(2).sum((1, 2))
 
 
-def _embedding_sq(ids: torch.Tensor, grads: torch.Tensor) -> torch.Tensor:
+def _embedding_sq(ids: torch.Tensor, grads: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Row-wise ‖Σ_t e_{id_t} g_tᵀ‖²: per-token gradients summed per (row, token id), then the squared norm per row.
 
     All rows at once (one `unique` over row·V + id, not one per row: each `unique` waits for the GPU)."""
-    stride = int(ids.max()) + 1
     rows = torch.arange(ids.shape[0], device=ids.device).unsqueeze(-1).expand_as(ids)
-    unique, inverse = torch.unique((rows * stride + ids).reshape(-1), return_inverse=True)
+    unique, inverse = torch.unique((rows * vocab_size + ids).reshape(-1), return_inverse=True)
     flat = grads.float().reshape(-1, grads.shape[-1])
     buckets = torch.zeros(len(unique), flat.shape[-1], device=flat.device).index_add_(0, inverse, flat)
-    bucket_rows = unique // stride
+    bucket_rows = unique // vocab_size
     return torch.zeros(ids.shape[0], device=flat.device).index_add_(0, bucket_rows, buckets.pow(2).sum(-1))
 
 
@@ -281,7 +280,7 @@ def log_likelihood_grad_sq_norms(
         embedding_grad = embedding_grad.masked_fill((input_ids == embedding.padding_idx).unsqueeze(-1), 0.0)
     if embedding.weight.requires_grad:
         with record_function("ghost_norms.embedding"):
-            norms.add(_embedding_sq(input_ids, embedding_grad))
+            norms.add(_embedding_sq(input_ids, embedding_grad, embedding.num_embeddings))
     if tied:  # outside the graph: the norms are weights of the loss, never a path for its gradient
         with torch.no_grad(), record_function("ghost_norms.tied_cross"):
             cross = torch.stack(

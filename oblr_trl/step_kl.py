@@ -91,7 +91,7 @@ class StepKLRecorder:
                 missing = largest - sum(old.size(0) for _, old, _ in parts)
                 if missing:  # weight-0 rows: the same number of forward chunks on every process
                     parts.append(self._rows_of(kept[0], torch.zeros(missing, dtype=torch.long), 0.0))
-                measured = [(concat_rows([batch for batch, _, _ in parts], [old.size(0) for _, old, _ in parts]),
+                measured = [(concat_rows([batch for batch, _, _ in parts], parts[0][1].size(0)),
                              torch.cat([old for _, old, _ in parts]), torch.cat([weight for _, _, weight in parts]))]
             else:  # one forward per micro-batch: all its rows, or its drawn ones (one row with weight 0 if none)
                 measured = [micro_batch if drawn is None else
@@ -169,10 +169,10 @@ def select_rows(batch: dict[str, Any], index: torch.Tensor, rows: int) -> dict[s
     return {key: value[index.to(value.device)] if _is_rows(value, rows) else value for key, value in batch.items()}
 
 
-def concat_rows(batches: list[dict[str, Any]], rows: list[int]) -> dict[str, Any]:
-    """Micro-batches of equal widths (``rows`` rows each) as one: their per-row tensors concatenated, everything else
-    the first's."""
+def concat_rows(batches: list[dict[str, Any]], rows: int) -> dict[str, Any]:
+    """Micro-batches of equal widths as one: their per-row tensors (those of the first's ``rows`` rows) concatenated,
+    everything else the first's."""
     return {
-        key: torch.cat([batch[key] for batch in batches]) if _is_rows(value, rows[0]) else value
+        key: torch.cat([batch[key] for batch in batches]) if _is_rows(value, rows) else value
         for key, value in batches[0].items()
     }
