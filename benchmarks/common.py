@@ -93,8 +93,8 @@ def build_trainer(
     from trl import GRPOConfig, GRPOTrainer
 
     from oblr_trl import OBLRPOConfig, OBLRPOTrainer
-    from oblr_trl.models import resolve_model
     from oblr_trl.rewards import accuracy_reward
+    from oblr_trl.training.models import resolve_model
 
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     if overrides is None:

@@ -1,7 +1,7 @@
 """Benchmark `exact_weights_profile`: where the exact weights' time goes, beside the training pass of the same rows.
 
 `baseline_weights="exact"` measures every completion's ‖∇ log p‖² with one forward and one backward of its own per
-chunk of rows (ghost norms, `oblr_trl.ghost_norms`). On the same model and the same rows (random tokens, prompt and
+chunk of rows (ghost norms, `estimators.ghost_norms`). On the same model and the same rows (random tokens, prompt and
 completion of fixed lengths) this times, each synchronised, as the median of ``--repeats`` after a warm-up:
 
 * the **training pass**: the loss's forward and backward to the parameters for these rows, as a GRPO step runs it
@@ -54,11 +54,11 @@ def parse_args(argv=None):
 
 
 def load_model(name: str, output_dir: Path, dtype):
+    import random_model
     import torch
     from transformers import AutoModelForCausalLM
 
-    import random_model
-    from oblr_trl.models import resolve_model
+    from oblr_trl.training.models import resolve_model
 
     model = AutoModelForCausalLM.from_pretrained(resolve_model(random_model.resolve(name, output_dir)),
                                                  dtype=getattr(torch, dtype))
@@ -82,7 +82,7 @@ def main(argv=None) -> int:
     import torch
     from tqdm.auto import tqdm
 
-    from oblr_trl.ghost_norms import log_likelihood_grad_sq_norms
+    from oblr_trl.estimators.ghost_norms import log_likelihood_grad_sq_norms
 
     output_dir = Path(args.output_dir)
     cuda = torch.cuda.is_available()

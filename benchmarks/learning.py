@@ -157,8 +157,8 @@ def run_child(spec: dict) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from oblr_trl.evaluation import generate_completions, grade
-    from oblr_trl.models import resolve_model
     from oblr_trl.rewards import GRADER_VERSION
+    from oblr_trl.training.models import resolve_model
 
     held_out = load_split(spec["held_out"])
     output_dir = Path(spec["scratch"]) / run_key(spec)

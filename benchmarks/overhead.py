@@ -47,6 +47,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import random_model  # noqa: E402
 from common import (  # noqa: E402
     RESULTS,
     bootstrap_ci,
@@ -60,7 +61,6 @@ from common import (  # noqa: E402
     text_hash_parity_reward,
     write_results,
 )
-import random_model  # noqa: E402
 
 VARIANTS = {
     "grpo": None,  # TRL's GRPOTrainer with GRPOConfig defaults
@@ -78,8 +78,8 @@ VARIANTS = {
     "oblrpo-kl-sample-2": {"lr_trust_region_sample_size": 2},
 }
 # OBLR-PO's own phases, timed inside each step (seconds a step): the trust region's measuring forward and the weights
-PHASES = {"step_kl": ("oblr_trl.step_kl", "StepKLRecorder", "after_step"),
-          "weights": ("oblr_trl.completion_weights", "CompletionWeights", "compute")}
+PHASES = {"step_kl": ("oblr_trl.training.step_kl", "StepKLRecorder", "after_step"),
+          "weights": ("oblr_trl.training.completion_weights", "CompletionWeights", "compute")}
 PRESETS = {
     "cpu": {
         "model": "builtin:smollm2-135m-instruct",
@@ -223,8 +223,7 @@ def naive_exact_trainer():
     fallback for layers without a ghost-norm rule, one completion at a time), as the only public implementation of the
     exact baseline does: the reference the batched version is measured against."""
     from oblr_trl import OBLRPOTrainer
-
-    from oblr_trl.completion_weights import CompletionWeights
+    from oblr_trl.training.completion_weights import CompletionWeights
 
     class OneBackwardPerCompletion(CompletionWeights):
         def grad_sq_norms(self, batch, token_scale):

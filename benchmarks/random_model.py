@@ -56,7 +56,7 @@ def resolve(model: str, output_dir: Path) -> str:
     anything else as it is."""
     if not model.startswith("random:"):
         return model
-    from oblr_trl.models import resolve_model
+    from oblr_trl.training.models import resolve_model
 
     shape = model[len("random:"):]
     folder = Path(output_dir) / "runs" / f"random-{shape}"
@@ -74,7 +74,7 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
-    from oblr_trl.models import resolve_model
+    from oblr_trl.training.models import resolve_model
 
     build(args.shape, resolve_model(args.tokenizer, option="--tokenizer"), args.output, args.seed)
     return 0

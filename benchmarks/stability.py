@@ -60,13 +60,12 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-from oblr_trl.snr import CALIBRATION_MIN_T
+from oblr_trl.estimators.snr import CALIBRATION_MIN_T
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import learning  # noqa: E402
 import synthetic_learning as synthetic  # noqa: E402
-from common import (RESULTS, bootstrap_ci, markdown_table, new_figure, parse_overrides, save_figure,  # noqa: E402
-                    write_results)
+from common import RESULTS, bootstrap_ci, markdown_table, new_figure, parse_overrides, save_figure, write_results  # noqa: E402
 
 REFERENCE = "grpo"
 TRL_SCHEDULE = {"lr_scheduler_type": "linear", "warmup_steps": 0}  # GRPOConfig's (TrainingArguments') defaults

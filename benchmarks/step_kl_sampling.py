@@ -1,7 +1,7 @@
 """Benchmark `step_kl_sampling`: how precisely the trust region's step KL is measured on a sample of a step's completions.
 
 The trust region measures each optimizer step's KL(π_t ‖ π_{t+1}) with one no-grad forward of the step's completions
-(`oblr_trl.step_kl`). `lr_trust_region_sample_size` measures it on n of them instead, a forward that costs n/N of the
+(`training.step_kl`). `lr_trust_region_sample_size` measures it on n of them instead, a forward that costs n/N of the
 full one. Whether that is precise enough depends on how the step's KL spreads over its completions: this benchmark
 trains with the defaults, records every completion's KL (Σ_t k3 over its tokens, and its token count) at every step,
 and replays the sampled estimator — Σ_S KL_i / Σ_S T_i over n completions drawn uniformly without replacement, as the

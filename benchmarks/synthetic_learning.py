@@ -2,7 +2,7 @@
 
 The SmolLM2 run (`learning.py`) is the realistic comparison but affords a handful of seeds; this one runs every method
 at every learning rate over 50+ seeds in minutes on a CPU, with the same pure functions the trainer uses
-(`oblr_trl.advantages`, `oblr_trl.weights`, `oblr_trl.snr`). Only the policy and the task are synthetic.
+(`estimators.advantages`, `estimators.weights`, `estimators.snr`). Only the policy and the task are synthetic.
 
 Task. A prompt is a feature vector x ∈ R^d (fresh prompts every step, so there is no over-fitting to measure); the
 answer is T tokens over a vocabulary of V, token 0 being EOS. The right token at position t is the arg-max over the
@@ -36,11 +36,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, bootstrap_ci, markdown_table, new_figure, save_figure, write_results  # noqa: E402
 
-from oblr_trl.advantages import gradient_weighted_advantages  # noqa: E402
-from oblr_trl.baselines import PooledSlope  # noqa: E402
-from oblr_trl.snr import SNRLearningRateController, cross_step_noise_estimate  # noqa: E402
-from oblr_trl.trust_region import TrustRegionRate, sampled_token_kl  # noqa: E402
-from oblr_trl.weights import length_weights, logit_gradient_sq_norms, uniform_weights  # noqa: E402
+from oblr_trl.estimators.advantages import gradient_weighted_advantages  # noqa: E402
+from oblr_trl.estimators.baselines import PooledSlope  # noqa: E402
+from oblr_trl.estimators.snr import SNRLearningRateController, cross_step_noise_estimate  # noqa: E402
+from oblr_trl.estimators.trust_region import TrustRegionRate, sampled_token_kl  # noqa: E402
+from oblr_trl.estimators.weights import length_weights, logit_gradient_sq_norms, uniform_weights  # noqa: E402
 
 
 @dataclass(frozen=True)

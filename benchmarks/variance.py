@@ -23,7 +23,7 @@ What a leave-one-out baseline can reach: part of the oracle's gain is knowing E[
 the other G − 1 completions can. Two more fixed references separate it: the oracle mean E[r|q] (uniform weights), and
 RLOO shifted by the exact b* − p (the leave-one-out mean plus the oracle's reweighting shift). The gap between RLOO and
 the shifted RLOO is what reweighting can reach; each estimator's share of it is reported, with the shrunk and
-pooled-slope estimates (`oblr_trl.baselines`; the pooled slope fitted on the other prompts' groups, as training fits
+pooled-slope estimates (`estimators.baselines`; the pooled slope fitted on the other prompts' groups, as training fits
 it on earlier batches). Every ratio to RLOO has a 95 % interval from a two-level bootstrap (prompts, then the
 completions of each pool).
 
@@ -47,14 +47,14 @@ from tqdm.auto import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, markdown_table, new_figure, save_figure, write_results  # noqa: E402
 
-from oblr_trl.baselines import (  # noqa: E402
+from oblr_trl.estimators.baselines import (  # noqa: E402
     PooledSlope,
     gradient_weighted_baseline,
     pooled_slope_baseline,
     shrunk_baseline,
 )
-from oblr_trl.options import OBLRPOOptions  # noqa: E402
-from oblr_trl.weights import log_sum_sq_probs, logit_proxy_weights  # noqa: E402
+from oblr_trl.estimators.weights import log_sum_sq_probs, logit_proxy_weights  # noqa: E402
+from oblr_trl.training.options import OBLRPOOptions  # noqa: E402
 
 # name → (label, weight source, kind): "loo"/"group" weighted means, "shrunk" (λ = SHRINKAGE, leave-one-out),
 # "pooled" (leave-one-out mean + ρ̂·variance, ρ̂ fitted on the other prompts' groups with these weights)
@@ -151,8 +151,8 @@ def per_completion(model, prompt_ids, completions, params, temperature):
 
 
 def full_model_norms(model, prompt_ids, completions, temperature, chunk=8):
-    """‖∇_θ log π(o|q)‖² over all parameters, by the batched ghost-norm pass (`oblr_trl.ghost_norms`)."""
-    from oblr_trl.ghost_norms import log_likelihood_grad_sq_norms
+    """‖∇_θ log π(o|q)‖² over all parameters, by the batched ghost-norm pass (`oblr_trl.estimators.ghost_norms`)."""
+    from oblr_trl.estimators.ghost_norms import log_likelihood_grad_sq_norms
 
     frozen = [p for p in model.parameters() if not p.requires_grad]
     for p in frozen:
@@ -284,9 +284,9 @@ def bootstrap_ratios(pools, slopes, args, generator):
 def measure(model_path, args, label):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from oblr_trl.models import resolve_model
     from oblr_trl.rewards import accuracy_reward
     from oblr_trl.tasks import TaskOptions, load_task
+    from oblr_trl.training.models import resolve_model
 
     path = resolve_model(model_path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)

@@ -22,7 +22,7 @@ from importlib import resources
 from pathlib import Path
 
 from . import __version__
-from .model_card import counted
+from .training.model_card import counted
 
 __all__ = ["TaskArguments", "main", "make_train_parser"]
 
@@ -114,7 +114,7 @@ def reported_as_usage_errors():
 def make_train_parser():
     from trl import ModelConfig, TrlParser
 
-    from .config import OBLRPOConfig
+    from .training.config import OBLRPOConfig
 
     class TrainParser(TrlParser):
         def error(self, message):  # argparse would print the 250-flag usage line first
@@ -127,7 +127,7 @@ def make_train_parser():
 def installed_trainer_fields() -> set[str]:
     """The names the real parser of `oblr-trl train` accepts, less the ones oblr-trl defines itself (imports TRL):
     what `oblr_trl/trainer_fields.txt` records."""
-    from .options import OBLRPOOptions
+    from .training.options import OBLRPOOptions
 
     own = {f.name for f in fields(TaskArguments)} | {f.name for f in fields(OBLRPOOptions)}
     return {action.dest for action in make_train_parser()._actions} - own
@@ -152,9 +152,9 @@ def check_train_args_early(argv: list[str]) -> tuple[Path, dict[str, object]]:
     its YAML, unknown fields and flags (where the recorded field names match the installed versions), the task, and
     the values that `OBLRPOConfig` refuses (OBLR-PO's options, and the Trainer's numbers). Returns the recipe's path
     and its raw values with the flags applied."""
-    from .options import TRAINER_VALUE_RULES, OBLRPOOptions, invalid_value
     from .tasks import check_task_name
     from .trainer_fields import known_trainer_fields
+    from .training.options import TRAINER_VALUE_RULES, OBLRPOOptions, invalid_value
 
     config_path, overrides = split_config(argv)
     recipe = read_recipe(config_path)
@@ -286,7 +286,7 @@ def _reject_unknown_flags(known: set[str], overrides: list[str]) -> None:
 
 def train_help() -> str:
     """`oblr-trl train --help`: OBLR-PO options, then the task's, then where the other ~250 fields are; no torch."""
-    from .options import OBLRPOOptions
+    from .training.options import OBLRPOOptions
 
     def describe(dataclass_fields) -> list[str]:
         lines = []
@@ -371,9 +371,9 @@ def train(argv: list[str]) -> int:
         config_path, values = check_train_args_early(argv)  # before torch, transformers and TRL load (seconds)
         check_gpu_needs(values, config_path)
         task_args, training_args, model_args, recipe = parse_train_args(argv)
-        from . import models
         from .rewards import get_reward_funcs
         from .tasks import load_task, task_source
+        from .training import models
 
         model_name = model_args.model_name_or_path or DEFAULT_MODEL
         models.check_model_available(model_name)
@@ -386,7 +386,7 @@ def train(argv: list[str]) -> int:
         from trl import get_peft_config
 
         from .progress import ConciseProgressCallback
-        from .trainer import OBLRPOTrainer
+        from .training.trainer import OBLRPOTrainer
 
         training_args.model_init_kwargs = {
             "revision": model_args.model_revision,
@@ -415,7 +415,7 @@ def train(argv: list[str]) -> int:
 
 def _train_and_publish(trainer, argv: list[str], training_args, task_args, dataset_id: str | None) -> int:
     """Train, then save, plot, card and push on the processes that should; the exit code."""
-    from .guards import TrainingPreempted
+    from .training.guards import TrainingPreempted
 
     try:
         trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
@@ -477,8 +477,8 @@ def eval_output_dir(model: str) -> str:
 
 def evaluate_command(args: argparse.Namespace) -> int:
     from .evaluation import check_sampling, evaluate, write_eval_report
-    from .models import check_model_available
     from .tasks import load_task
+    from .training.models import check_model_available
 
     with reported_as_usage_errors():  # everything evaluate() would refuse, before the model loads
         check_sampling(args.n, args.temperature, args.backend)

@@ -62,7 +62,7 @@ def evaluate(
     """Sample ``n`` completions per problem of the task's test split (greedy when ``temperature`` is 0) and grade them.
     ``dataset``: that split already loaded with ``load_task`` (the CLI loads it first, to report a bad task before any
     model loads)."""
-    from .models import resolve_model
+    from .training.models import resolve_model
 
     check_sampling(n, temperature, backend)
     if dataset is None:

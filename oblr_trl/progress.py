@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from transformers.trainer_callback import ProgressCallback
 
-from .model_card import TOTAL_RUNTIME_KEY, counted
+from .training.model_card import TOTAL_RUNTIME_KEY, counted
 
 __all__ = ["ConciseProgressCallback", "training_summary"]
 

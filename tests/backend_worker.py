@@ -29,8 +29,8 @@ from datasets import Dataset  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
 from oblr_trl import OBLRPOConfig, OBLRPOTrainer  # noqa: E402
-from oblr_trl.optim_hooks import innermost_optimizer  # noqa: E402
 from oblr_trl.testing import allow_fsdp_on_cpu, tiny_causal_lm, tiny_tokenizer  # noqa: E402
+from oblr_trl.training.optim_hooks import innermost_optimizer  # noqa: E402
 
 if not torch.cuda.is_available():
     torch.set_num_threads(1)  # the processes share the machine's cores

@@ -127,13 +127,14 @@ def make_trainer(tmp_path, tokenizer, prompt_dataset):
 @pytest.fixture
 def no_model_load(monkeypatch):
     """Fail the test if anything resolves or loads a model (for errors that must come first)."""
-    import oblr_trl.models
     from transformers import AutoModelForCausalLM
+
+    import oblr_trl.training.models
 
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded")
 
-    monkeypatch.setattr(oblr_trl.models, "resolve_model", refuse)
+    monkeypatch.setattr(oblr_trl.training.models, "resolve_model", refuse)
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", refuse)
 
 

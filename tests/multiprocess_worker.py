@@ -140,7 +140,7 @@ def main():
     args = parser.parse_args()
     cases = json.loads(args.cases)
     if any(case.get("sketch_first_shard_only") for case in cases):  # the negative test: the sum over shards dropped
-        import oblr_trl.step_noise as step_noise
+        import oblr_trl.training.step_noise as step_noise
 
         sketch_all = step_noise.sketch_step_gradients
         step_noise.sketch_step_gradients = lambda params, sketch, sharded: (

@@ -7,8 +7,8 @@ import pytest
 import torch
 from trl.trainer.utils import nanstd as trl_nanstd
 
-from oblr_trl.advantages import aggregate_rewards, gradient_weighted_advantages, nanstd
-from oblr_trl.baselines import gradient_weighted_loo_baseline, group_weighted_baseline
+from oblr_trl.estimators.advantages import aggregate_rewards, gradient_weighted_advantages, nanstd
+from oblr_trl.estimators.baselines import gradient_weighted_loo_baseline, group_weighted_baseline
 
 INF, NAN = float("inf"), float("nan")
 
@@ -173,7 +173,7 @@ def naive_mean_and_variance(values):
 
 @pytest.mark.parametrize("leave_one_out", [True, False])
 def test_shrunk_and_pooled_slope_baselines_equal_a_naive_loop(leave_one_out):
-    from oblr_trl.baselines import pooled_slope_baseline, shrunk_baseline
+    from oblr_trl.estimators.baselines import pooled_slope_baseline, shrunk_baseline
 
     rewards = [[1.0, 0.0, 1.0, 0.0, 1.0], [0.5, NAN, 0.0, 1.0, 1.0]]
     weights = [[1.0, 2.0, 3.0, 4.0, 5.0], [2.0, 1.0, 7.0, 0.5, 1.0]]
@@ -192,7 +192,7 @@ def test_shrunk_and_pooled_slope_baselines_equal_a_naive_loop(leave_one_out):
 
 
 def test_pooled_slope_of_zero_is_rloo_and_shrinkage_spans_rloo_to_weighted():
-    from oblr_trl.baselines import pooled_slope_baseline, shrunk_baseline
+    from oblr_trl.estimators.baselines import pooled_slope_baseline, shrunk_baseline
 
     generator = torch.Generator().manual_seed(0)
     rewards = torch.randint(0, 2, (6, 8), generator=generator).double()
@@ -209,7 +209,7 @@ def test_pooled_slope_of_zero_is_rloo_and_shrinkage_spans_rloo_to_weighted():
 def test_pooled_slope_is_the_weighted_least_squares_slope_and_round_trips():
     """Weights heavier for right answers (w = 1 + r): b* lies above the mean, and the fitted ρ̂ is the slope that
     minimises Σ w (r − p̂ − ρ v̂)² over the batch — smaller than for ρ = 0 (RLOO) or for half or twice ρ̂."""
-    from oblr_trl.baselines import PooledSlope, pooled_slope_baseline
+    from oblr_trl.estimators.baselines import PooledSlope, pooled_slope_baseline
 
     generator = torch.Generator().manual_seed(1)
     p = torch.rand(4000, 1, generator=generator, dtype=torch.float64) * 0.3 + 0.1
@@ -243,7 +243,7 @@ def test_advantages_dispatch_to_the_estimator(estimator):
 
 
 def test_rows_whose_weights_matter_are_those_of_groups_with_reward_spread():
-    from oblr_trl.advantages import rows_whose_weights_matter
+    from oblr_trl.estimators.advantages import rows_whose_weights_matter
 
     rewards = torch.tensor([1.0, 0.0, 1.0,    # spread
                             0.5, 0.5, 0.5,    # all alike
@@ -259,8 +259,8 @@ def test_rows_whose_weights_matter_are_those_of_groups_with_reward_spread():
 def test_weights_of_groups_without_spread_change_no_advantage_and_no_fallback(estimator, leave_one_out):
     """What lets `exact` skip measuring them: NaN (not measured), 0 or any weight there gives the same advantages, no
     fallback is counted, and the pooled slope's fit is the one it would be were they the measured rows' mean."""
-    from oblr_trl.advantages import rows_whose_weights_matter
-    from oblr_trl.baselines import PooledSlope
+    from oblr_trl.estimators.advantages import rows_whose_weights_matter
+    from oblr_trl.estimators.baselines import PooledSlope
 
     generator = torch.Generator().manual_seed(3)
     rewards = (torch.rand(40, 4, generator=generator, dtype=torch.float64) < 0.3).double().view(-1)

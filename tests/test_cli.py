@@ -80,9 +80,9 @@ def test_bad_values_fail_before_any_model_loads(tmp_path):
 def test_train_eval_plot_end_to_end(tmp_path, saved_tiny_model, capsys, monkeypatch):
     """The built-in model on the generated task, as the quickstart runs it (the built-in id resolves to a tiny model
     here): trains, writes a model card that names the real base model and no Hub dataset, then eval and plot."""
-    import oblr_trl.models
+    import oblr_trl.training.models
 
-    monkeypatch.setattr(oblr_trl.models, "resolve_model", lambda name: str(saved_tiny_model))
+    monkeypatch.setattr(oblr_trl.training.models, "resolve_model", lambda name: str(saved_tiny_model))
     run = tmp_path / "run"
     assert main([
         "train", "--model_name_or_path", "builtin:smollm2-135m-instruct", "--output_dir", str(run), "--max_steps", "2",
@@ -135,7 +135,7 @@ def test_train_destroys_the_process_group_before_it_returns(tmp_path, saved_tiny
 
 
 def test_model_card_of_a_local_model_on_a_hub_dataset():
-    from oblr_trl.model_card import ModelCardFacts, model_card_text
+    from oblr_trl.training.model_card import ModelCardFacts, model_card_text
 
     facts = ModelCardFacts(
         model_name="run", base_model=None, base_model_path="/models/mine", hub_model_id="me/run", output_dir="out",
@@ -152,7 +152,7 @@ def test_model_card_of_a_local_model_on_a_hub_dataset():
 
 
 def test_model_card_states_the_gradient_noise_scale_beside_the_completions_a_step():
-    from oblr_trl.model_card import ModelCardFacts, model_card_text
+    from oblr_trl.training.model_card import ModelCardFacts, model_card_text
 
     history = [{"step": s, "reward": 0.5, "oblr/noise_scale": scale, "oblr/completions_per_step": 64.0}
                for s, scale in enumerate([float("nan"), 900.0, 300.0, 500.0, 400.0, 420.0, 380.0], 1)]
@@ -262,7 +262,7 @@ def test_resume_command_names_the_checkpoint_this_run_saved_once(tmp_path, capsy
 def test_overwrite_output_dir_reaches_the_folder_check(tmp_path, monkeypatch):
     """`--overwrite_output_dir true` on the command line replaces the earlier run's checkpoints before the model
     loads (the model load is stopped here)."""
-    import oblr_trl.models
+    import oblr_trl.training.models
 
     class Stop(Exception):
         pass
@@ -270,7 +270,7 @@ def test_overwrite_output_dir_reaches_the_folder_check(tmp_path, monkeypatch):
     def stop(*args, **kwargs):
         raise Stop
 
-    monkeypatch.setattr(oblr_trl.models, "resolve_model", stop)
+    monkeypatch.setattr(oblr_trl.training.models, "resolve_model", stop)
     run = tmp_path / "run"
     (run / "checkpoint-60").mkdir(parents=True)
     with pytest.raises(Stop):
@@ -501,7 +501,7 @@ def test_train_help_is_short_and_grouped(capsys):
     from dataclasses import fields
 
     from oblr_trl.cli import TaskArguments
-    from oblr_trl.options import OBLRPOOptions
+    from oblr_trl.training.options import OBLRPOOptions
 
     assert all(f"--{item.name} " in text for item in [*fields(OBLRPOOptions), *fields(TaskArguments)])
 
@@ -530,7 +530,7 @@ def test_help_all_lists_every_field(capsys):
 
 
 def test_model_card_names_the_hub_id_a_local_folder_came_from(tmp_path):
-    from oblr_trl.models import model_card_id
+    from oblr_trl.training.models import model_card_id
 
     (tmp_path / "config.json").write_text('{"_name_or_path": "Qwen/Qwen3-4B-Base"}')
     assert model_card_id(str(tmp_path)) == "Qwen/Qwen3-4B-Base"

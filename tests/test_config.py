@@ -5,8 +5,8 @@ import pytest
 from trl import GRPOConfig
 
 from oblr_trl import OBLRPOConfig, OBLRPOTrainer
-from oblr_trl.config import check_backend
-from oblr_trl.options import OBLRPOOptions
+from oblr_trl.training.config import check_backend
+from oblr_trl.training.options import OBLRPOOptions
 
 
 def make(tmp_path, **kwargs):

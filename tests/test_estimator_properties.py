@@ -6,8 +6,8 @@ Both tests print the figures they measure (run with ``-s``); the closing notes q
 import pytest
 import torch
 
-from oblr_trl.baselines import gradient_weighted_baseline
-from oblr_trl.weights import log_sum_sq_probs, logit_proxy_weights
+from oblr_trl.estimators.baselines import gradient_weighted_baseline
+from oblr_trl.estimators.weights import log_sum_sq_probs, logit_proxy_weights
 
 
 def softmax_policy_group_estimates(num_groups: int, group_size: int, leave_one_out: bool, seed: int = 0):
@@ -120,7 +120,7 @@ def test_optimal_baseline_minimises_estimator_variance(tiny_policy_pools):
 def test_new_leave_one_out_estimators_are_unbiased(estimator):
     """The closed-form softmax policy again: shrinkage and a slope fixed before the batch keep the baseline of
     completion i independent of o_i, so the estimator stays unbiased."""
-    from oblr_trl.baselines import pooled_slope_baseline, shrunk_baseline
+    from oblr_trl.estimators.baselines import pooled_slope_baseline, shrunk_baseline
 
     gen = torch.Generator().manual_seed(3)
     theta = torch.tensor([1.0, 0.2, -0.5, 0.7, -1.5], dtype=torch.float64)

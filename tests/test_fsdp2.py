@@ -15,7 +15,6 @@ without `initialise_fsdp2_root`: nothing runs the whole model before the first p
 """
 
 import pytest
-
 from conftest import BACKEND_MATRIX, backend_case_id
 from test_multiprocess import assert_runs_match, launch, launch_cases
 
@@ -54,8 +53,8 @@ def test_a_gradient_that_is_not_one_shard_of_rows_per_process_is_refused(tmp_pat
 
     import torch
 
-    from oblr_trl.optim_hooks import sketch_step_gradients
-    from oblr_trl.sketch import GradientSketch
+    from oblr_trl.estimators.sketch import GradientSketch
+    from oblr_trl.training.optim_hooks import sketch_step_gradients
 
     plain = torch.nn.Parameter(torch.ones(4, 3))
     plain.grad = torch.ones(4, 3)
@@ -66,8 +65,8 @@ def test_a_gradient_that_is_not_one_shard_of_rows_per_process_is_refused(tmp_pat
 import torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, distribute_tensor
-from oblr_trl.optim_hooks import sketch_step_gradients
-from oblr_trl.sketch import GradientSketch
+from oblr_trl.training.optim_hooks import sketch_step_gradients
+from oblr_trl.estimators.sketch import GradientSketch
 dist.init_process_group("gloo", init_method="file://{tmp_path / 'store'}", rank=0, world_size=1)
 mesh = init_device_mesh("cpu", (1,))
 param = torch.nn.Parameter(distribute_tensor(torch.ones(4, 3), mesh, [Replicate()]))

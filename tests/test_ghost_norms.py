@@ -1,11 +1,11 @@
-"""Per-sample gradient norms in one batched pass (`oblr_trl.ghost_norms`) against the one-backward-per-row oracle."""
+"""Per-sample gradient norms in one batched pass (`estimators.ghost_norms`) against the one-backward-per-row oracle."""
 
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
-from oblr_trl.ghost_norms import log_likelihood_grad_sq_norms
-from oblr_trl.per_sample import per_sample_grad_sq_norms
+from oblr_trl.estimators.ghost_norms import log_likelihood_grad_sq_norms
+from oblr_trl.estimators.per_sample import per_sample_grad_sq_norms
 from oblr_trl.testing import tiny_causal_lm
 
 LARGEST = []  # the largest relative error seen, printed by the last test (-s)

@@ -7,12 +7,16 @@ import json
 
 import pytest
 import torch
-
-from oblr_trl.ghost_norms import log_likelihood_grad_sq_norms
-from oblr_trl.testing import tiny_causal_lm
-from test_backend_rates import (BACKENDS, assert_logged_factors_in_bounds, assert_rates_reach_the_optimizer,
-                                launch_backend_worker)
+from test_backend_rates import (
+    BACKENDS,
+    assert_logged_factors_in_bounds,
+    assert_rates_reach_the_optimizer,
+    launch_backend_worker,
+)
 from test_ghost_norms import oracle, padded_batch
+
+from oblr_trl.estimators.ghost_norms import log_likelihood_grad_sq_norms
+from oblr_trl.testing import tiny_causal_lm
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

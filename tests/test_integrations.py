@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_builtin_model_is_exported_once_with_the_gguf_logits():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from oblr_trl.models import load_gguf_model, resolve_model
+    from oblr_trl.training.models import load_gguf_model, resolve_model
 
     path = resolve_model("builtin:smollm2-135m-instruct")
     assert resolve_model("builtin:smollm2-135m-instruct") == path  # reused, not exported again

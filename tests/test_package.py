@@ -1,14 +1,56 @@
-"""The package's own structure: modules import each other without a cycle (TYPE_CHECKING-only imports aside)."""
+"""The package's own structure (docs/architecture.md): three layers whose imports run one way, no import cycle, and
+collaborators that never reach into the trainer."""
 
 import ast
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parents[1] / "oblr_trl"
+LAYERS = ("surface", "training", "estimators")  # each imports only from itself and the layers after it
 
 
-def _imported_modules(path: Path) -> set[str]:
-    """The oblr_trl modules ``path`` imports at run time (at the top or inside functions)."""
-    tree = ast.parse(path.read_text())
+def _modules() -> dict[str, Path]:
+    """Every module of the package by dotted name relative to it ("cli", "training.trainer"), packages' __init__ as
+    the package's name ("training")."""
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        found[name] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _layer(module: str) -> str:
+    return module.split(".")[0] if module.split(".")[0] in LAYERS else "surface"
+
+
+def _resolve(module: str, node: ast.ImportFrom) -> list[str]:
+    """The package modules an ``from … import …`` statement in ``module`` imports (modules or the modules of names)."""
+    if node.level:
+        path = MODULES[module]
+        package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+        base = package[: len(package) - (node.level - 1)]
+    elif (node.module or "").split(".")[0] == "oblr_trl":
+        base = []
+        node = ast.ImportFrom(module=".".join(node.module.split(".")[1:]) or None, names=node.names, level=1)
+    else:
+        return []
+    stem = base + (node.module.split(".") if node.module else [])
+    targets = []
+    for alias in node.names:
+        candidate = ".".join([*stem, alias.name])
+        targets.append(candidate if candidate in MODULES else ".".join(stem))
+    return [target for target in targets if target in MODULES and target != ""]
+
+
+def _imports(module: str, with_type_checking: bool) -> set[str]:
+    """The package modules ``module`` imports (at the top or inside functions); with ``with_type_checking`` also those
+    imported only for type hints."""
+    tree = ast.parse(MODULES[module].read_text())
     type_checking = {
         id(node)
         for block in ast.walk(tree)
@@ -18,20 +60,31 @@ def _imported_modules(path: Path) -> set[str]:
     }
     found = set()
     for node in ast.walk(tree):
-        if id(node) in type_checking:
-            continue
-        if isinstance(node, ast.ImportFrom) and node.level == 1:
-            if node.module:
-                found.add(node.module.split(".")[0])
-            else:
-                found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("oblr_trl."):
-            found.add(node.module.split(".")[1])
-    return {name for name in found if (PACKAGE / f"{name}.py").exists()}
+        if isinstance(node, ast.ImportFrom) and (with_type_checking or id(node) not in type_checking):
+            found.update(_resolve(module, node))
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                name = ".".join(alias.name.split(".")[1:])
+                if alias.name.split(".")[0] == "oblr_trl" and name in MODULES:
+                    found.add(name)
+    found.discard(module)
+    return found
+
+
+def test_the_module_finder_sees_what_the_package_imports():
+    """The finder the other tests rely on: relative, parent-relative, package and absolute imports."""
+    assert {"training.config", "training.trainer", "training.model_card", "training.models", "tasks"} <= _imports(
+        "cli", False
+    )
+    assert {"estimators.advantages", "estimators.snr", "training.models", "training.completion_weights"} <= _imports(
+        "training.trainer", False
+    )
+    assert _imports("estimators.trust_region", False) == {"estimators.choices", "estimators.snr"}
 
 
 def test_no_import_cycle_in_the_package():
-    graph = {path.stem: _imported_modules(path) for path in PACKAGE.glob("*.py") if path.stem != "__init__"}
+    graph = {module: _imports(module, False) for module in MODULES if "." in module or module not in LAYERS}
+    graph.pop("", None)
     state: dict[str, str] = {}
 
     def visit(module: str, trail: list[str]) -> None:
@@ -45,4 +98,61 @@ def test_no_import_cycle_in_the_package():
     for module in sorted(graph):
         if module not in state:
             visit(module, [])
-    assert graph["trainer_fields"] == set()  # the CLI's early check reads it without the rest of the package
+    assert _imports("trainer_fields", True) == set()  # the CLI's early check reads it without the rest of the package
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m))
+def test_imports_run_from_the_surface_to_training_to_the_estimators(module):
+    """A module imports from its own layer and the layers below it only, type hints included."""
+    allowed = LAYERS[LAYERS.index(_layer(module)):]
+    upward = sorted(m for m in _imports(module, True) if _layer(m) not in allowed)
+    assert not upward, f"{module} ({_layer(module)}) imports {upward} from a layer above it"
+
+
+def test_the_estimators_import_torch_and_nothing_of_trl_or_transformers():
+    for module, path in MODULES.items():
+        if _layer(module) != "estimators":
+            continue
+        tree = ast.parse(path.read_text())
+        names = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+        names |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and not node.level}
+        third_party = {name.split(".")[0] for name in names} - {"torch", "math", "dataclasses", "collections",
+                                                                  "typing", "__future__", "functools"}
+        assert not third_party, f"{module} imports {sorted(third_party)}"
+
+
+def test_nothing_the_trainer_imports_imports_the_trainer_back():
+    """Collaborators are handed what they use; none knows the trainer, not even as a type hint."""
+    seen, todo = set(), ["training.trainer"]
+    while todo:
+        for imported in _imports(todo.pop(), True):
+            if imported not in seen:
+                seen.add(imported)
+                todo.append(imported)
+    back = sorted(module for module in seen if "training.trainer" in _imports(module, True))
+    assert not back, f"{back} import the trainer back"
+    assert "training.trainer" not in seen
+
+
+def _private_trainer_accesses(tree: ast.AST) -> list[str]:
+    """``trainer._x`` or ``….trainer._x`` (private, not dunder) anywhere in ``tree``."""
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute) or not node.attr.startswith("_") or node.attr.startswith("__"):
+            continue
+        owner = node.value
+        if (isinstance(owner, ast.Name) and owner.id == "trainer") or (
+            isinstance(owner, ast.Attribute) and owner.attr == "trainer"
+        ):
+            found.append(f"{ast.unparse(node)} (line {node.lineno})")
+    return found
+
+
+def test_no_module_but_the_trainer_touches_a_private_member_of_the_trainer():
+    """TRL's private names are read in one place, `training/trainer.py`, so that a TRL upgrade is read there."""
+    assert _private_trainer_accesses(ast.parse("trainer._metrics; self.trainer._paper; trainer.args; x._y")) == [
+        "trainer._metrics (line 1)", "self.trainer._paper (line 1)"
+    ]
+    offenders = {module: found for module, path in MODULES.items() if module != "training.trainer"
+                 for found in [_private_trainer_accesses(ast.parse(path.read_text()))] if found}
+    assert not offenders, offenders

@@ -5,11 +5,10 @@ import math
 
 import pytest
 import torch
+from conftest import base_config_kwargs, digit_fraction_reward
 from datasets import Dataset
 
 from oblr_trl import OBLRPOConfig, OBLRPOTrainer
-
-from conftest import base_config_kwargs, digit_fraction_reward
 
 NAN, INF = float("nan"), float("inf")
 
@@ -235,7 +234,7 @@ def test_skip_nonfinite_steps_off_lets_nan_through(make_trainer):
 def test_environment_owned_prompts_are_not_refused():
     """With an `environment_factory` or `rollout_func` the environment owns the prompts: TRL accepts rows without a
     'prompt' column, and so do we."""
-    from oblr_trl.guards import validate_training_data
+    from oblr_trl.training.guards import validate_training_data
 
     rows = Dataset.from_dict({"task_id": [0, 1]})
     with pytest.raises(ValueError, match="no 'prompt' column"):

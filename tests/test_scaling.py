@@ -8,16 +8,21 @@ import sys
 import time
 from pathlib import Path
 
+import fake_vllm
 import pytest
 import torch
+from tolerances import noise_terms_scale
 from transformers import TrainerCallback
 
-import fake_vllm
-from tolerances import noise_terms_scale
 from oblr_trl import OBLRPOTrainer
-from oblr_trl.completion_weights import CompletionWeights, loss_mask
-from oblr_trl.optim_hooks import MicroBatchGradSqNorms, OptimizerStepGate, StepLearningRateScale, innermost_optimizer
-from oblr_trl.weights import logit_proxy_weights
+from oblr_trl.estimators.weights import logit_proxy_weights
+from oblr_trl.training.completion_weights import CompletionWeights, loss_mask
+from oblr_trl.training.optim_hooks import (
+    MicroBatchGradSqNorms,
+    OptimizerStepGate,
+    StepLearningRateScale,
+    innermost_optimizer,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,9 +38,9 @@ class RecordedWeightsUnderIS(CompletionWeights):
     def compute(self, output, record, mode, measure=None):
         used = super().compute(output, record, mode, measure)
         log_probs, log_sum_sq = self.logit_inputs(output, None, mode)  # a fresh forward, no IS
-        self.trainer._metrics[mode]["oblr/weights/extra_forward"].pop()  # that forward is the test's, not the trainer's
-        self.trainer.weight_records.append((used, log_probs, log_sum_sq, loss_mask(output),
-                                            output["importance_sampling_ratio"]))
+        self.metrics[mode]["oblr/weights/extra_forward"].pop()  # that forward is the test's, not the trainer's
+        self.weight_records.append((used, log_probs, log_sum_sq, loss_mask(output),
+                                    output["importance_sampling_ratio"]))
         return used
 
 
@@ -43,8 +48,8 @@ class WeightsUnderIS(OBLRPOTrainer):
     weights_class = RecordedWeightsUnderIS
 
     def __init__(self, *args, **kwargs):
-        self.weight_records = []
         super().__init__(*args, **kwargs)
+        self.weight_records = self.completion_weights.weight_records = []
 
 
 @pytest.mark.parametrize("mode", ["colocate", "server"])
@@ -182,8 +187,8 @@ def test_a_resumed_run_that_finishes_counts_every_segment_and_leaves_a_current_c
     save_model(). The preemption checkpoint goes once the run finishes; the card and the summary count both segments
     and describe the step-4 model."""
     from oblr_trl import TrainingPreempted
-    from oblr_trl.model_card import TOTAL_RUNTIME_KEY
     from oblr_trl.progress import training_summary
+    from oblr_trl.training.model_card import TOTAL_RUNTIME_KEY
 
     out = tmp_path / "run"
     interrupt = SignalAt(2)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from oblr_trl.sketch import GradientSketch
+from oblr_trl.estimators.sketch import GradientSketch
 
 
 def _sketch_of(sketch: GradientSketch, tensors) -> torch.Tensor:

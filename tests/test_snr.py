@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from oblr_trl.snr import (
+from oblr_trl.estimators.snr import (
     BiasCorrectedEMA,
     NoiseEstimate,
     SNRLearningRateController,
@@ -271,7 +271,7 @@ def test_gradient_noise_scale_matches_the_closed_form_on_a_tiny_model(tiny_polic
     """B_noise = tr Σ/‖μ‖² of exact per-sample REINFORCE gradients of a tiny transformer (the pool's population
     values): the per-sample estimates of 400 steps of 32 completions give it within 3 standard errors (delta method on
     the ratio of the two means); in completions it scales with the completions a sample stands for."""
-    from oblr_trl.snr import gradient_noise_scale
+    from oblr_trl.estimators.snr import gradient_noise_scale
 
     _, pool = tiny_policy_pools
     rewards = pool.lengths

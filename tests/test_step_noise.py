@@ -6,8 +6,8 @@ from collections import defaultdict
 import pytest
 import torch
 
-from oblr_trl.snr import SNRLearningRateController
-from oblr_trl.step_noise import StepNoiseRecorder
+from oblr_trl.estimators.snr import SNRLearningRateController
+from oblr_trl.training.step_noise import StepNoiseRecorder
 
 
 def _recorder(sharded: bool, gradients_in_grad: bool = True) -> tuple[StepNoiseRecorder, torch.nn.Linear]:

@@ -5,11 +5,10 @@ import math
 
 import pytest
 import torch
+from conftest import digit_fraction_reward, vowel_reward
 
 from oblr_trl import OBLRPOTrainer
-from oblr_trl.completion_weights import CompletionWeights
-
-from conftest import digit_fraction_reward, vowel_reward
+from oblr_trl.training.completion_weights import CompletionWeights
 
 LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
 

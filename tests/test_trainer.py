@@ -7,14 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import digit_fraction_reward, vowel_reward
+from tolerances import noise_terms_scale
 from transformers import TrainerCallback
 
 from oblr_trl import OBLRPOTrainer, aggregate_rewards, gradient_weighted_advantages
-from oblr_trl.optim_hooks import innermost_optimizer
-from oblr_trl.weights import log_sum_sq_probs, logit_proxy_weights
-
-from conftest import digit_fraction_reward, vowel_reward
-from tolerances import noise_terms_scale
+from oblr_trl.estimators.weights import log_sum_sq_probs, logit_proxy_weights
+from oblr_trl.training.optim_hooks import innermost_optimizer
 
 
 def reference_weights(model, output, estimator, temperature):
@@ -93,7 +92,7 @@ CASES = [
 
 @pytest.mark.parametrize("overrides", CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
 def test_advantages_equal_pure_functions_of_gathered_inputs(make_trainer, overrides):
-    from oblr_trl.baselines import PooledSlope
+    from oblr_trl.estimators.baselines import PooledSlope
 
     trainer, rewards_per_func = run_capturing(make_trainer, max_steps=2, **overrides)
     assert len(trainer.captured) == 2
@@ -246,7 +245,7 @@ def test_model_card_credits_oblr_po(make_trainer, tmp_path):
 
 def test_per_sample_batch_size_sets_the_chunks_of_the_norm_pass(make_trainer, monkeypatch):
     """Rows do not interact, so the chunking changes peak memory, never the norms."""
-    import oblr_trl.completion_weights as trainer_module
+    import oblr_trl.training.completion_weights as trainer_module
 
     chunks = []
     batched = trainer_module.log_likelihood_grad_sq_norms
@@ -364,8 +363,8 @@ def test_default_config_trains_with_one_micro_batch_and_without_args(tmp_path, t
 def test_builtin_model_ids_work_from_python(tmp_path, tokenizer, monkeypatch, prompt_dataset):
     """`OBLRPOTrainer(model="builtin:…")` takes the ids `oblr-trl train` takes (the export is stood in for by a tiny
     model in the cache folder, where the real export would be)."""
-    from oblr_trl.models import cache_dir
     from oblr_trl.testing import tiny_causal_lm
+    from oblr_trl.training.models import cache_dir
 
     monkeypatch.setenv("OBLR_TRL_CACHE", str(tmp_path / "cache"))
     monkeypatch.chdir(tmp_path)
@@ -399,12 +398,12 @@ def test_a_run_whose_rewards_are_all_none_keeps_its_checkpoints(make_trainer, tm
 
 
 def test_a_failing_model_card_never_fails_the_save(make_trainer, tmp_path, monkeypatch):
-    import oblr_trl.run_records
+    import oblr_trl.training.run_records
 
     def broken(facts):
         raise RuntimeError("card template broke")
 
-    monkeypatch.setattr(oblr_trl.run_records, "model_card_text", broken)
+    monkeypatch.setattr(oblr_trl.training.run_records, "model_card_text", broken)
     trainer = make_trainer(max_steps=1, save_strategy="steps", save_steps=1)
     with pytest.warns(UserWarning, match="model card was not written.*card template broke"):
         trainer.train()
@@ -499,7 +498,7 @@ def test_under_fsdp2_a_layer_the_ghost_norms_do_not_know_is_an_error_naming_it(m
     model = tiny_causal_lm(tokenizer)
     model.model.norm = torch.nn.LayerNorm(model.config.hidden_size)
     trainer = make_trainer(model=model, baseline_weights="exact", max_steps=1)
-    monkeypatch.setattr(OBLRPOTrainer, "_is_fsdp2", True)
+    monkeypatch.setattr(trainer.completion_weights, "sharded", True)  # as the trainer tells it under FSDP2
     with pytest.raises(NotImplementedError, match=r"model.norm` \(LayerNorm\).*Under FSDP2.*baseline_weights='logit'"):
         trainer.train()
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import TrainerCallback
 
-from oblr_trl.trust_region import TrustRegionRate, sampled_token_kl
+from oblr_trl.estimators.trust_region import TrustRegionRate, sampled_token_kl
 
 # ----------------------------------------------------------------------------------------------------------------
 # The rule (pure)
@@ -104,7 +104,7 @@ def _micro_batch(rows, width=3, seed=0):
 
 def _record(sample_size, batches, counts=None, process_index=0, seed=0):
     """One step measured by a recorder on ``batches``; ``counts`` stands in for the other processes' row counts."""
-    from oblr_trl.step_kl import StepKLRecorder
+    from oblr_trl.training.step_kl import StepKLRecorder
 
     forwarded, local = [], {}
 
@@ -165,7 +165,7 @@ def test_micro_batches_of_other_widths_are_measured_one_forward_each():
 def test_every_process_forwards_as_many_rows_as_the_one_that_drew_most():
     """A sharded model needs every process in every forward (and chunk): a process that drew fewer of the step's rows
     pads its one forward with rows counted with weight 0."""
-    from oblr_trl.step_kl import StepKLRecorder
+    from oblr_trl.training.step_kl import StepKLRecorder
 
     one = [_micro_batch(4, seed=0), _micro_batch(4, seed=1)]
     for seed in range(6):
@@ -181,7 +181,7 @@ def test_the_sample_is_the_same_in_any_process_layout_and_resumes_with_the_run()
     """Rows 0–7 of a step on 1 process (2 micro-batches of 4) or on 2 (one micro-batch of 4 each): the same rows are
     drawn and the per-process sums add up to the one-process measurement. The step count that seeds the draws is
     checkpointed."""
-    from oblr_trl.step_kl import StepKLRecorder
+    from oblr_trl.training.step_kl import StepKLRecorder
 
     one = [_micro_batch(4, seed=0), _micro_batch(4, seed=1)]
     single_kl, _, single_sums, recorder = _record(3, one)
@@ -194,7 +194,7 @@ def test_the_sample_is_the_same_in_any_process_layout_and_resumes_with_the_run()
 
 
 def test_the_draw_of_each_step_is_uniform_over_the_steps_completions():
-    from oblr_trl.step_kl import StepKLRecorder
+    from oblr_trl.training.step_kl import StepKLRecorder
 
     batches = [_micro_batch(4, seed=0), _micro_batch(4, seed=1)]
     counts = torch.zeros(8)
@@ -283,7 +283,7 @@ class RatesUsed(TrainerCallback):
         self.trainer, self.seen, self.hooked = None, [], None
 
     def on_step_begin(self, args, state, control, **kwargs):
-        from oblr_trl.optim_hooks import innermost_optimizer
+        from oblr_trl.training.optim_hooks import innermost_optimizer
 
         optimizer = innermost_optimizer(self.trainer.optimizer)
         if self.hooked is not optimizer:  # registered after the trainer's: sees the scaled rate

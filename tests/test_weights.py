@@ -3,7 +3,13 @@
 import pytest
 import torch
 
-from oblr_trl.weights import length_weights, log_sum_sq_probs, logit_gradient_sq_norms, logit_proxy_weights, uniform_weights
+from oblr_trl.estimators.weights import (
+    length_weights,
+    log_sum_sq_probs,
+    logit_gradient_sq_norms,
+    logit_proxy_weights,
+    uniform_weights,
+)
 
 
 def autograd_logit_weights(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -106,8 +112,7 @@ def test_trainer_logit_weights_match_autograd_on_model_logits(make_trainer, toke
 def test_weights_from_generation_logits_match_a_forward_pass(make_trainer):
     """The logits transformers' generate computed (with its KV cache) give the same weights as a fresh forward."""
     from oblr_trl import OBLRPOTrainer
-
-    from oblr_trl.completion_weights import CompletionWeights
+    from oblr_trl.training.completion_weights import CompletionWeights
 
     pairs = []
 
@@ -156,7 +161,7 @@ def test_weights_follow_how_the_loss_scales_each_completion(make_trainer, loss_t
     per-token factors ∂loss/∂log p_it, divided by A_i, must be the gains the weights use (1/L_i for a per-completion
     token mean, else a constant), up to one constant for the batch (SAPO's soft gate has one per sign of A_i)."""
     from oblr_trl import OBLRPOTrainer
-    from oblr_trl.weights import loss_token_gains
+    from oblr_trl.estimators.weights import loss_token_gains
 
     class Recorder(LossGradientRecorder, OBLRPOTrainer):
         loss_token_grads = []
@@ -186,7 +191,7 @@ def test_exact_weights_are_measured_only_where_rewards_differ(make_trainer):
     advantage, so the ghost-norm pass skips them (NaN weights, `oblr/weights/measured_frac`), and the weights it does
     measure are those of a pass over every completion (that the advantages then agree: `test_baselines.py`)."""
     from oblr_trl import OBLRPOTrainer
-    from oblr_trl.completion_weights import CompletionWeights
+    from oblr_trl.training.completion_weights import CompletionWeights
 
     def alike_for_even_b(prompts, completions, **kwargs):
         return [0.5 if int(p[2]) % 2 == 0 else len(c) / 10 for p, c in zip(prompts, completions)]
@@ -223,7 +228,7 @@ def test_exact_weights_run_under_the_mixed_precision_of_training(make_trainer):
     """accelerate runs the model's own forward under autocast (bf16 here); the ghost-norm pass calls the backbone
     directly, so the trainer enters the same autocast for it: the layers compute as in training."""
     from oblr_trl import OBLRPOTrainer
-    from oblr_trl.completion_weights import CompletionWeights
+    from oblr_trl.training.completion_weights import CompletionWeights
 
     seen = []
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from oblr_trl.weights import log_sum_sq_probs, logit_proxy_weights
+from oblr_trl.estimators.weights import log_sum_sq_probs, logit_proxy_weights
 
 
 @dataclass

@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from .options import TRUST_REGION_MODES
+from .choices import TRUST_REGION_MODES
 from .snr import BiasCorrectedEMA
 
 __all__ = ["TrustRegionRate", "sampled_token_kl"]

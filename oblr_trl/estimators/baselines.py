@@ -32,10 +32,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .options import BASELINE_ESTIMATORS
+from .choices import BASELINE_ESTIMATORS
 
 __all__ = [
-    "BASELINE_ESTIMATORS",
     "BaselineResult",
     "PooledSlope",
     "gradient_weighted_baseline",

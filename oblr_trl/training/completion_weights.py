@@ -3,8 +3,11 @@
 [`CompletionWeights`] is the trainer's collaborator for the weights, as `StepNoiseRecorder` is for the SNR: it holds
 what the weights need across a generation batch (the fused LM-head forward that also returns log Σ_v p², the logits
 captured during generation, whether ghost norms run on this model) and turns a generation batch into one weight per
-completion with the pure functions of `oblr_trl.weights`, `oblr_trl.ghost_norms` and `oblr_trl.per_sample`. It also
-measures the per-sample gradient norms the `per_sample` SNR estimator asks for, through the same code.
+completion with the pure functions of `estimators.weights`, `estimators.ghost_norms` and `estimators.per_sample`. It
+also measures the per-sample gradient norms the `per_sample` SNR estimator asks for, through the same code.
+
+It never sees the trainer: the trainer hands it the functions and values it uses (TRL's forward, the model, the
+metrics, how generation and TRL's own forwards run), in one place, `OBLRPOTrainer.__init__`.
 
 Sources of the `logit` weights' inputs, cheapest first: the logits transformers' `generate` computed anyway
 (`GenerationLogitStats`); TRL's own no-grad forward (old log-probabilities), recorded while it runs; one chunked
@@ -16,25 +19,22 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping, MutableMapping
+from typing import Any
 
 import torch
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import add_fused_lm_head
 
+from ..estimators.ghost_norms import log_likelihood_grad_sq_norms
+from ..estimators.per_sample import per_sample_grad_sq_norms, row_objective
+from ..estimators.weights import length_weights, logit_proxy_weights, loss_token_gains, uniform_weights
 from .generation_hooks import GenerationLogitStats
-from .ghost_norms import log_likelihood_grad_sq_norms
-from .per_sample import per_sample_grad_sq_norms, row_objective
 from .step_kl import select_rows
-from .weights import length_weights, logit_proxy_weights, loss_token_gains, uniform_weights
-
-if TYPE_CHECKING:
-    from .trainer import OBLRPOTrainer
 
 __all__ = ["CompletionWeights", "initialise_fsdp2_root", "reshard_fsdp2"]
 
-# Keys of TRL's generation output that `_get_per_token_logps_and_entropies` takes as keyword arguments.
+# Keys of TRL's generation output that its per-token forward (`token_forward`) takes as keyword arguments.
 _MULTIMODAL_KEYS = (
     "pixel_values",
     "image_grid_thw",
@@ -93,13 +93,46 @@ class CompletionWeights:
     """The weights w_i of a generation batch (`compute`) and per-sample gradient norms (`grad_sq_norms`).
 
     Args:
-        trainer: the `OBLRPOTrainer` it measures for (its model, arguments, metrics and TRL's forward).
+        args: the run's `OBLRPOConfig`.
+        policy: the causal LM (the base model under PEFT), the module the ghost norms and the fused LM head run on.
+        model: returns the model as the trainer runs it now (wrapped by accelerate once training starts).
+        token_forward: TRL's chunked forward, ``(input_ids, attention_mask, logits_to_keep, batch_size=,
+            **multimodal) -> (log_probs, entropies, ...)`` of the completion tokens under the current model.
+        trainable_parameters: returns the parameters that train.
+        metrics: the trainer's metric lists by mode (``"train"``/``"eval"`` → name → values).
+        temperature: the sampling temperature the log-probabilities are taken at.
+        loss_type: TRL's loss type (how the loss scales each completion's tokens).
+        generation_hands_logits: whether generation runs transformers' `generate` in this process and keeps its
+            logits (not vLLM, continuous batching or tool calls).
+        trl_computes_old_log_probs: whether TRL runs its own no-grad forward of every generation batch.
+        sharded: whether the model is sharded by FSDP2 (every process must run the same passes).
+        gather: concatenates a tensor over processes.
+        autocast: the mixed-precision context training runs the model's forward in.
     """
 
-    def __init__(self, trainer: OBLRPOTrainer):
-        self.trainer = trainer
-        self.args = trainer.args
-        self.policy = trainer._policy_module
+    def __init__(
+        self,
+        args,
+        policy: torch.nn.Module,
+        *,
+        model: Callable[[], torch.nn.Module],
+        token_forward: Callable[..., tuple],
+        trainable_parameters: Callable[[], list[torch.nn.Parameter]],
+        metrics: Mapping[str, MutableMapping[str, list]],
+        temperature: float,
+        loss_type: str,
+        generation_hands_logits: bool,
+        trl_computes_old_log_probs: bool,
+        sharded: bool,
+        gather: Callable[[torch.Tensor], torch.Tensor],
+        autocast: Callable[[], contextlib.AbstractContextManager],
+    ):
+        self.args, self.policy, self.model, self.token_forward = args, policy, model, token_forward
+        self.trainable_parameters, self.metrics = trainable_parameters, metrics
+        self.temperature, self.loss_type = temperature, loss_type
+        self.generation_hands_logits = generation_hands_logits
+        self.trl_computes_old_log_probs = trl_computes_old_log_probs
+        self.sharded, self.gather, self.autocast = sharded, gather, autocast
         self.log_sum_sq_forward = self._make_log_sum_sq_forward() if self.args.baseline_weights == "logit" else None
         self.generation_logits: tuple[torch.Tensor, torch.Tensor] | None = None
         self.ghost_norms_unsupported: str | None = None  # why ghost norms cannot run on this model, once known
@@ -116,7 +149,7 @@ class CompletionWeights:
         module, trl_forward = self.policy, self.policy.forward
         add_fused_lm_head(
             module,
-            temperature=self.trainer.temperature,
+            temperature=self.temperature,
             cast_lm_head_to_fp32=self.args.cast_lm_head_to_fp32,
             outputs=("log_probs", "log_sum_sq_probs"),
         )
@@ -144,18 +177,12 @@ class CompletionWeights:
     def captures_generation_logits(self) -> bool:
         # transformers' generate computes every step's logits; vLLM, continuous batching and tool loops do not hand
         # them over (or interleave tool tokens), so those paths use a forward pass instead.
-        trainer = self.trainer
-        return (
-            self.log_sum_sq_forward is not None
-            and not trainer.use_vllm
-            and not self.args.use_transformers_continuous_batching
-            and not trainer.tools
-        )
+        return self.log_sum_sq_forward is not None and self.generation_hands_logits
 
     def generate_capturing_logits(self, generate: Callable[[], tuple[list, Any]]) -> tuple[list, Any]:
         """Run one generation call (``generate()`` → completion ids, log-probs) and collect the logit-proxy inputs
         from the logits it computes, where it can."""
-        stats = GenerationLogitStats(self.policy, self.trainer.temperature) if self.captures_generation_logits() else None
+        stats = GenerationLogitStats(self.policy, self.temperature) if self.captures_generation_logits() else None
         completion_ids = None
         try:
             completion_ids, logprobs = generate()
@@ -166,13 +193,10 @@ class CompletionWeights:
 
     def reuses_trl_forward(self) -> bool:
         """Whether the logit weights are read off TRL's own no-grad forward of this generation batch."""
-        if self.log_sum_sq_forward is None or self.captures_generation_logits():
-            return False
-        # the condition under which GRPOTrainer runs that forward (old_per_token_logps)
-        args, trainer = self.args, self.trainer
-        generate_every = args.steps_per_generation * trainer.num_iterations
-        return args.gradient_accumulation_steps % generate_every != 0 or (
-            trainer.use_vllm and trainer.vllm_importance_sampling_correction
+        return (
+            self.log_sum_sq_forward is not None
+            and not self.captures_generation_logits()
+            and self.trl_computes_old_log_probs
         )
 
     # The weights -----------------------------------------------------------------------------------------------------
@@ -191,7 +215,7 @@ class CompletionWeights:
         estimator = self.args.baseline_weights
         if estimator == "uniform":
             return uniform_weights(mask)
-        gains = loss_token_gains(mask, self.trainer.loss_type)
+        gains = loss_token_gains(mask, self.loss_type)
         if self.args.importance_weighted_baseline and "importance_sampling_ratio" in output:
             gains = gains * output["importance_sampling_ratio"].float()
         if estimator == "length":
@@ -211,8 +235,8 @@ class CompletionWeights:
         rows = batch["completion_ids"].size(0)
         index = torch.arange(rows, device=token_scale.device) if measure is None else measure.nonzero().flatten()
         measured = len(index)
-        if self.trainer._is_fsdp2:
-            most = int(self.trainer.accelerator.gather(torch.tensor([measured], device=token_scale.device)).max())
+        if self.sharded:
+            most = int(self.gather(torch.tensor([measured], device=token_scale.device)).max())
             index = torch.cat([index, index.new_zeros(most - measured)])
         scale = token_scale[index]
         scale[measured:] = 0.0
@@ -228,7 +252,7 @@ class CompletionWeights:
         From the logits generation already computed if they were captured, else from TRL's own no-grad forward if it
         ran one, else from one chunked no-grad forward of our own (logged as `oblr/weights/extra_forward`).
         """
-        trainer, metrics = self.trainer, self.trainer._metrics[mode]
+        metrics = self.metrics[mode]
         completion_ids = output["completion_ids"]
         captured, self.generation_logits = self.generation_logits, None
         if captured is not None and captured[0].size(0) == completion_ids.size(0):
@@ -254,13 +278,11 @@ class CompletionWeights:
 
     def token_log_probs(self, batch: dict[str, Any], mode: str = "train") -> torch.Tensor:
         """log p_t(y_t) of the batch's completion tokens under the current policy: TRL's chunked forward, no grad."""
-        trainer = self.trainer
         input_ids, attention_mask, logits_to_keep = sequence_inputs(batch)
         multimodal = {key: batch[key] for key in _MULTIMODAL_KEYS if key in batch}
         with torch.no_grad():
-            log_probs, _, _ = trainer._get_per_token_logps_and_entropies(
-                trainer.model, input_ids, attention_mask, logits_to_keep,
-                batch_size=self._forward_batch_size(mode), **multimodal,
+            log_probs, _, _ = self.token_forward(
+                input_ids, attention_mask, logits_to_keep, batch_size=self._forward_batch_size(mode), **multimodal
             )
         return log_probs
 
@@ -270,23 +292,21 @@ class CompletionWeights:
     # Per-sample gradient norms ---------------------------------------------------------------------------------------
 
     def grad_sq_norms(self, batch: dict[str, Any], token_scale: torch.Tensor) -> torch.Tensor:
-        """‖∇_θ Σ_t s_t log p_t(y_t)‖² per completion (`oblr_trl.ghost_norms`), in chunks of `per_sample_batch_size`.
+        """‖∇_θ Σ_t s_t log p_t(y_t)‖² per completion (`estimators.ghost_norms`), in chunks of `per_sample_batch_size`.
 
         A model with a layer the ghost norms do not know is measured by one backward per completion instead
         (`looped_grad_sq_norms`), after one warning naming the layer: slower, never wrong, never an error.
         """
         input_ids, attention_mask, logits_to_keep = sequence_inputs(batch)
-        size = self.args.per_sample_batch_size or self._forward_batch_size(
-            "train" if self.trainer.model.training else "eval"
-        )
+        size = self.args.per_sample_batch_size or self._forward_batch_size("train" if self.model().training else "eval")
         if self.ghost_norms_unsupported is None:
-            initialise_fsdp2_root(self.trainer.model)
+            initialise_fsdp2_root(self.model())
             try:
                 # under the mixed precision the training forward runs in (accelerate wraps the model's own forward in
                 # it; the pass calls the backbone directly): the gradients measured are the ones training computes,
                 # and a float32 model under bf16 training is not measured in float32 (2.6× slower on an H100)
                 with disable_gradient_checkpointing(self.policy, self.args.gradient_checkpointing_kwargs), \
-                        self.trainer.accelerator.autocast():
+                        self.autocast():
                     return torch.cat(
                         [
                             log_likelihood_grad_sq_norms(
@@ -295,7 +315,7 @@ class CompletionWeights:
                                 attention_mask[start : start + size],
                                 logits_to_keep,
                                 token_scale[start : start + size],
-                                self.trainer.temperature,
+                                self.temperature,
                             )
                             for start in range(0, input_ids.size(0), size)
                         ]
@@ -312,7 +332,7 @@ class CompletionWeights:
     def refuse_parameter_gradients_under_fsdp2(self, reason: str) -> None:
         """The per-row fallback differentiates with respect to the parameters, which FSDP2 holds as shards outside
         the autograd graph: under FSDP2 it would measure nothing, so it is refused instead."""
-        if self.trainer._is_fsdp2:
+        if self.sharded:
             raise NotImplementedError(
                 f"{reason} Under FSDP2 per-sample gradient norms come only from the ghost norms (the per-row fallback "
                 "needs unsharded parameters). Use baseline_weights='logit' and snr_estimator='cross_step' (the "
@@ -321,16 +341,15 @@ class CompletionWeights:
 
     def looped_grad_sq_norms(self, batch: dict[str, Any], token_scale: torch.Tensor, size: int) -> torch.Tensor:
         """The same norms through the model's own forward (TRL's), one backward per completion: any architecture."""
-        trainer = self.trainer
         input_ids, attention_mask, logits_to_keep = sequence_inputs(batch)
         multimodal = {key: batch[key] for key in _MULTIMODAL_KEYS if key in batch}
-        params = trainer._trainable_parameters()
+        params = self.trainable_parameters()
         norms = []
         with torch.enable_grad(), disable_gradient_checkpointing(self.policy, self.args.gradient_checkpointing_kwargs):
             for start in range(0, input_ids.size(0), size):
                 rows = slice(start, start + size)
-                log_probs, _, _ = trainer._get_per_token_logps_and_entropies(
-                    trainer.model, input_ids[rows], attention_mask[rows], logits_to_keep, batch_size=size,
+                log_probs, _, _ = self.token_forward(
+                    input_ids[rows], attention_mask[rows], logits_to_keep, batch_size=size,
                     **{key: value[rows] if torch.is_tensor(value) else value for key, value in multimodal.items()},
                 )
                 objectives = (log_probs * token_scale[rows].to(log_probs.dtype)).sum(-1)
@@ -356,7 +375,7 @@ class CompletionWeights:
         self.refuse_parameter_gradients_under_fsdp2("The loss depends on the entropies (an entropy term).")
         pairs = [(o, grads[id(o)]) for o in outputs if grads[id(o)] is not None]
         objective = row_objective([o for o, _ in pairs], [g for _, g in pairs])
-        params = self.trainer._trainable_parameters()
+        params = self.trainable_parameters()
         return per_sample_grad_sq_norms(objective, log_probs.size(0), params, retain_graph=True).sum()
 
 

@@ -1,14 +1,14 @@
 """Each optimizer step's learning-rate factor, and whether the step runs at all.
 
 [`OptimizerStepControl`] is the trainer's collaborator for the optimizer step, as `StepNoiseRecorder` is for the
-SNR: it puts the two hooks of `oblr_trl.optim_hooks` on the innermost torch optimizer (once per optimizer object;
+SNR: it puts the two hooks of `training.optim_hooks` on the innermost torch optimizer (once per optimizer object;
 DeepSpeed builds its own in `prepare`), fixes the step's factor before its first micro-batch (DeepSpeed steps inside
 the last `backward`, before the step's own statistics exist), refuses a step whose loss, gradient norm or factor is
 not finite on any process, and logs the factor of an applied step or the skip of a refused one, once per step
 (DeepSpeed's ZeRO optimizers call the torch optimizer's `step` once per param group).
 
-The factor is the SNR factor f times the trust-region factor g (`oblr_trl.trust_region`), which is computed on the rate
-the SNR rule alone would use, scheduled × f: lr = scheduled · f · g. The scheduler never sees either.
+The factor is the SNR factor f times the trust-region factor g (`estimators.trust_region`), which is computed on the
+rate the SNR rule alone would use, scheduled × f: lr = scheduled · f · g. The scheduler never sees either.
 """
 
 from __future__ import annotations

@@ -142,14 +142,14 @@ class OBLRPOConfig(OBLRPOOptions, GRPOConfig):  # this base order keeps GRPOConf
             - `"cross_step"`: from the inner product of two consecutive, independently generated step gradients,
               ‖μ‖² ≈ ⟨G_t, G_{t−1}⟩ and tr Σ ≈ n(‖G_t‖² − ⟨G_t, G_{t−1}⟩) with the prompt (group) as the sample unit,
               so between-prompt variance counts as noise. The previous gradient is kept as a random-projection sketch
-              (`oblr_trl.sketch`; a few MB). Works with one micro-batch per step; steps that reuse the previous
+              (`estimators.sketch`; a few MB). Works with one micro-batch per step; steps that reuse the previous
               step's generation batch (`num_iterations > 1`, `steps_per_generation` > `gradient_accumulation_steps`)
               are not paired.
             - `"two_batch"`: from the squared norms of the micro-batch gradients and of the full-step gradient
               (McCandlish et al.'s estimator; completions as samples). Needs at least two micro-batches per optimizer
               step across processes (`gradient_accumulation_steps` × number of processes ≥ 2).
             - `"per_sample"`: from per-completion gradient norms of the loss (one extra batched forward and backward
-              per micro-batch, `oblr_trl.ghost_norms`; one backward per completion with an entropy bonus).
+              per micro-batch, `oblr_trl.estimators.ghost_norms`; one backward per completion with an entropy bonus).
         snr_ema_decay (`float`, *optional*, defaults to `0.9`):
             Decay β of the bias-corrected moving averages that smooth the ‖μ‖² and tr Σ estimates, in [0, 1).
         snr_warmup_steps (`int`, *optional*, defaults to `5`):

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from .trust_region import TrustRegionRate, sampled_token_kl
+from ..estimators.trust_region import TrustRegionRate, sampled_token_kl
 
 __all__ = ["StepKLRecorder"]
 
@@ -78,7 +78,7 @@ class StepKLRecorder:
 
         A step whose gradient is zero (every group of the step scored alike, so every advantage is 0) still moves the
         parameters by the optimizer's momentum, a move much smaller than a gradient step of the same rate; its KL/lr²
-        would understate the curvature the next gradient step meets (`oblr_trl.trust_region`), so it is logged and
+        would understate the curvature the next gradient step meets (`estimators.trust_region`), so it is logged and
         not folded in."""
         kept, self._batches = self._batches, []
         if not kept or lr is None:  # no micro-batch ran, or the step was refused (on every process alike): no move

@@ -9,7 +9,7 @@
   run is kept unless `save_total_limit` is set) and `train()` raises `TrainingPreempted`; a resumed run that finishes
   removes the preemption checkpoint it resumed from (the finished run supersedes it, and it is a full checkpoint with
   the optimizer's state, 1.6 GB for a 135M model);
-* **the model card** (`oblr_trl.model_card`), rewritten wherever the model is saved: checkpoints, `save_model`, the
+* **the model card** (`training.model_card`), rewritten wherever the model is saved: checkpoints, `save_model`, the
   end of training, `push_to_hub`;
 * **time over segments**: a resumed run's summaries and card count the seconds of every segment, not the last one.
 """
@@ -22,21 +22,19 @@ import shutil
 import sys
 import time
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
-from trl.trainer.utils import get_config_model_id
 
 from .guards import PreemptionSignal, TrainingPreempted
 from .model_card import TOTAL_RUNTIME_KEY, ModelCardFacts, counted, model_card_text
 
-if TYPE_CHECKING:
-    from .trainer import OBLRPOTrainer
-
-__all__ = ["PREEMPTION_MARKER", "RunRecords", "SKETCH_FILE", "STATE_FILE"]
+__all__ = ["PREEMPTION_MARKER", "RunDescription", "RunRecords", "SKETCH_FILE", "STATE_FILE"]
 
 logger = logging.get_logger(__name__)
 
@@ -45,15 +43,41 @@ PREEMPTION_MARKER = "oblr_preemption.json"  # in a checkpoint saved on SIGTERM/S
 SKETCH_FILE = "oblr_gradient_sketch.pt"  # the last step's gradient sketch, for the cross-step SNR estimator
 
 
+@dataclass(frozen=True)
+class RunDescription:
+    """What the model card says about a run that neither its arguments nor its log hold, as the trainer knows it when
+    the card is written."""
+
+    model_source: str  # the model's config id: a Hub id or a local folder
+    base_model_id: str | None  # the Hub id of the base model where the source is a local export of it
+    hub_model_id: str | None
+    dataset_id: str | None
+    dataset_description: str | None
+    recipe: str | None  # the YAML recipe of `oblr-trl train`
+    tags: tuple[str, ...]
+    paper: dict[str, str]
+    num_generations: int
+    reward_func_names: tuple[str, ...]
+
+
 class RunRecords:
     """Checkpoint state, preemption, the model card and the time of every segment of one run (module docstring).
 
+    It never sees the trainer: the trainer hands it what it records (`OBLRPOTrainer.__init__`).
+
     Args:
-        trainer: the `OBLRPOTrainer` whose run it records.
+        args: the run's `OBLRPOConfig`.
+        accelerator: the run's `Accelerator` (processes, device).
+        state: returns the Trainer's current `TrainerState` (a new one each `train()`).
+        describe: returns the run's `RunDescription` for the model card.
+        pooled_slope: the baseline's pooled slope (`PooledSlope`), saved with each checkpoint.
+        kl_recorder, snr_recorder: the step-KL and step-noise recorders (None where off), saved likewise.
     """
 
-    def __init__(self, trainer: OBLRPOTrainer):
-        self.trainer = trainer
+    def __init__(self, args, accelerator, state: Callable[[], Any], describe: Callable[[], RunDescription],
+                 pooled_slope, kl_recorder=None, snr_recorder=None):
+        self.args, self.accelerator, self.state, self.describe = args, accelerator, state, describe
+        self.pooled_slope, self.kl_recorder, self.snr_recorder = pooled_slope, kl_recorder, snr_recorder
         self.preemption = PreemptionSignal()
         self.preempted_at_step: int | None = None
         self.preemption_checkpoint: str | None = None
@@ -89,7 +113,7 @@ class RunRecords:
             # its message says how to resume from Python; the CLI prints its own command instead
             raise TrainingPreempted(self.preemption.received, self.preempted_at_step, self.preemption_checkpoint)
         resumed = Path(self.resumed_from) if self.resumed_from else None
-        args = self.trainer.args
+        args = self.args
         if (resumed is not None and (resumed / PREEMPTION_MARKER).exists() and args.save_total_limit is None
                 and args.should_save):
             shutil.rmtree(resumed, ignore_errors=True)
@@ -99,7 +123,7 @@ class RunRecords:
 
     def stop_requested(self) -> bool:
         """Every process agrees to stop, even if only some of them got the signal."""
-        accelerator = self.trainer.accelerator
+        accelerator = self.accelerator
         requested = torch.tensor(self.preemption.received is not None, device=accelerator.device)
         if accelerator.num_processes > 1:
             requested = accelerator.gather(requested.reshape(1)).any()
@@ -109,8 +133,8 @@ class RunRecords:
         """Mark ``newest`` as saved on preemption and delete the run's earlier preemption checkpoints: each interruption
         would otherwise leave a full checkpoint behind. With `save_total_limit` set, the Trainer's rotation decides."""
         (newest / PREEMPTION_MARKER).write_text(json.dumps({"signal": self.preemption.received,
-                                                            "step": self.trainer.state.global_step}))
-        if self.trainer.args.save_total_limit is not None:
+                                                            "step": self.state().global_step}))
+        if self.args.save_total_limit is not None:
             return
         for folder in newest.parent.glob(f"{PREFIX_CHECKPOINT_DIR}-*"):
             if folder != newest and (folder / PREEMPTION_MARKER).exists():
@@ -120,27 +144,25 @@ class RunRecords:
 
     def save(self, folder: Path) -> None:
         """After the Trainer saved checkpoint ``folder``: OBLR-PO's state beside it."""
-        trainer = self.trainer
         if self.preempted_at_step is not None:
             self.preemption_checkpoint = str(folder)
-        if not trainer.args.should_save:
+        if not self.args.should_save:
             return
         if self.preempted_at_step is not None:
             self._keep_one_preemption_checkpoint(folder)
-        state: dict[str, Any] = {"pooled_slope": trainer.pooled_slope.state_dict(),
+        state: dict[str, Any] = {"pooled_slope": self.pooled_slope.state_dict(),
                                  "training_seconds": self.training_seconds()}
-        if trainer.kl_recorder is not None:
-            state["step_kl"] = trainer.kl_recorder.state_dict()
-        if trainer.snr_recorder is not None:
-            state |= trainer.snr_recorder.state_dict()
-            previous_sketch = trainer.snr_recorder.previous_sketch_state()
+        if self.kl_recorder is not None:
+            state["step_kl"] = self.kl_recorder.state_dict()
+        if self.snr_recorder is not None:
+            state |= self.snr_recorder.state_dict()
+            previous_sketch = self.snr_recorder.previous_sketch_state()
             if previous_sketch is not None:
                 torch.save(previous_sketch, folder / SKETCH_FILE)
         (folder / STATE_FILE).write_text(json.dumps(state, indent=2))
 
     def load(self, checkpoint: str) -> None:
         """Resuming from ``checkpoint``: OBLR-PO's state as it was saved."""
-        trainer = self.trainer
         self.resumed_from = checkpoint
         path = os.path.join(checkpoint, STATE_FILE)
         if not os.path.exists(path):
@@ -152,16 +174,16 @@ class RunRecords:
         state = json.loads(Path(path).read_text())
         self.seconds_before = float(state.get("training_seconds", 0.0))
         if "pooled_slope" in state:
-            trainer.pooled_slope.load_state_dict(state["pooled_slope"])
-        if trainer.kl_recorder is not None:
-            trainer.kl_recorder.load_state_dict(state.get("step_kl", {}))
-        if trainer.snr_recorder is None or "snr_controller" not in state:
+            self.pooled_slope.load_state_dict(state["pooled_slope"])
+        if self.kl_recorder is not None:
+            self.kl_recorder.load_state_dict(state.get("step_kl", {}))
+        if self.snr_recorder is None or "snr_controller" not in state:
             return
-        trainer.snr_recorder.load_state_dict(state)
+        self.snr_recorder.load_state_dict(state)
         sketch_path = os.path.join(checkpoint, SKETCH_FILE)
         if os.path.exists(sketch_path):
-            trainer.snr_recorder.load_previous_sketch_state(torch.load(sketch_path, weights_only=True),
-                                                            trainer.accelerator.device)
+            self.snr_recorder.load_previous_sketch_state(torch.load(sketch_path, weights_only=True),
+                                                         self.accelerator.device)
 
     # The model card --------------------------------------------------------------------------------------------------
 
@@ -174,35 +196,35 @@ class RunRecords:
             warnings.warn(f"The model card was not written ({type(error).__name__}: {error}); training goes on.")
 
     def _card_facts(self, folder: str, model_name: str | None, dataset_name: str | None, tags) -> ModelCardFacts:
-        trainer, args = self.trainer, self.trainer.args
-        source = get_config_model_id(trainer.model.config) or ""
+        args, run, state = self.args, self.describe(), self.state()
+        source = run.model_source
         on_disk = os.path.isdir(source)
         tags = [tags] if isinstance(tags, str) else list(tags or [])
         curves = Path(folder) / "training_curves.png"
         hub_id = args.hub_model_id if args.push_to_hub or args.hub_model_id else None
         return ModelCardFacts(
             model_name=model_name or (hub_id or Path(args.output_dir).name).split("/")[-1],
-            base_model=trainer.base_model_id or (None if on_disk else source or None),
+            base_model=run.base_model_id or (None if on_disk else source or None),
             base_model_path=source if on_disk else None,
-            hub_model_id=getattr(trainer, "hub_model_id", None) or hub_id,
+            hub_model_id=run.hub_model_id or hub_id,
             output_dir=folder,
-            dataset_id=dataset_name or trainer.dataset_id,
-            dataset_description=trainer.dataset_description,
-            settings=card_settings(trainer),
-            log_history=trainer.state.log_history,
-            tags=sorted({*trainer._tag_names, *tags}),
+            dataset_id=dataset_name or run.dataset_id,
+            dataset_description=run.dataset_description,
+            settings=card_settings(args, state.max_steps, run.num_generations, run.reward_func_names),
+            log_history=state.log_history,
+            tags=sorted({*run.tags, *tags}),
             curves=curves.name if curves.exists() else None,
             tracker_urls=_tracker_urls(),
-            recipe=trainer.recipe,
-            paper=trainer._paper,
+            recipe=run.recipe,
+            paper=run.paper,
             training_seconds=self.training_seconds(),
         )
 
 
-def card_settings(trainer: OBLRPOTrainer) -> dict[str, str]:
-    """The settings table of the card: what a reader needs to reproduce the run."""
-    args = trainer.args
-    steps = trainer.state.max_steps if trainer.state.max_steps > 0 else max(args.max_steps, 1)
+def card_settings(args, max_steps: int, num_generations: int, reward_func_names) -> dict[str, str]:
+    """The settings table of the card: what a reader needs to reproduce the run (``max_steps``: the Trainer's, ≤ 0
+    before training computed it)."""
+    steps = max_steps if max_steps > 0 else max(args.max_steps, 1)
     per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
     if args.use_snr_lr and args.snr_lr_reference == "calibrated":
         rate_rule = (f"calibrated SNR factor in [{args.snr_lr_min_ratio:g}, {args.snr_lr_max_ratio:g}] "
@@ -215,18 +237,18 @@ def card_settings(trainer: OBLRPOTrainer) -> dict[str, str]:
         rate_rule += (f"; trust region δ = {args.lr_trust_region_kl:g} per token (`{args.lr_trust_region_mode}`, "
                       f"factor in [{args.lr_trust_region_min_ratio:g}, "
                       f"{1 if args.lr_trust_region_mode == 'cap' else args.lr_trust_region_max_ratio:g}])")
-    prompts = per_step // trainer.num_generations
+    prompts = per_step // num_generations
     return {
         "learning rate": f"{args.learning_rate:g}, `{_plain(args.lr_scheduler_type)}`, "
                          f"{counted(args.get_warmup_steps(steps), 'warm-up step')}",
         "learning-rate factor": rate_rule,
         "baseline": (f"`{args.baseline_weights}` weights, `{args.baseline_estimator}` estimate"
                      f"{', leave-one-out' if args.leave_one_out else ''}; scale_rewards `{args.scale_rewards}`"),
-        "completions per step": f"{per_step} ({counted(prompts, 'prompt')} × {trainer.num_generations})",
+        "completions per step": f"{per_step} ({counted(prompts, 'prompt')} × {num_generations})",
         "max completion length": str(args.max_completion_length),
         "loss type, KL β": f"`{args.loss_type}`, {args.beta:g}",
         "optimizer, max grad norm": f"`{_plain(args.optim)}`, {args.max_grad_norm:g}",
-        "reward functions": ", ".join(f"`{name}`" for name in trainer.reward_func_names),
+        "reward functions": ", ".join(f"`{name}`" for name in reward_func_names),
         "training seed": str(args.seed),
     }
 

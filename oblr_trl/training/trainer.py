@@ -13,6 +13,9 @@ that keeps its own bookkeeping:
 * `OptimizerStepControl` (`step_control.py`): the factor each optimizer step runs with, and the refusal of a
   non-finite step;
 * `RunRecords` (`run_records.py`): checkpoint state, preemption, the model card and the time of every segment.
+
+No collaborator sees the trainer: each is given the functions and values it uses, and `__init__` is the one place
+that hands TRL's private methods and attributes over to them (read there what a TRL upgrade can break).
 """
 
 from __future__ import annotations
@@ -29,18 +32,18 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
 from trl.trainer.utils import get_callable_name, get_config_model_id
 
+from ..estimators.advantages import aggregate_rewards, gradient_weighted_advantages, rows_whose_weights_matter
+from ..estimators.baselines import PooledSlope
+from ..estimators.snr import SNRLearningRateController
+from ..estimators.trust_region import TrustRegionRate
 from . import models
-from .advantages import aggregate_rewards, gradient_weighted_advantages, rows_whose_weights_matter
-from .baselines import PooledSlope
 from .completion_weights import CompletionWeights, loss_mask, reshard_fsdp2
 from .config import OBLRPOConfig, check_backend
 from .guards import name_reward_errors, validate_training_data
-from .run_records import RunRecords
-from .snr import SNRLearningRateController
+from .run_records import RunDescription, RunRecords
 from .step_control import OptimizerStepControl
 from .step_kl import StepKLRecorder
 from .step_noise import StepNoiseRecorder
-from .trust_region import TrustRegionRate
 
 __all__ = ["OBLRPOTrainer"]
 
@@ -158,7 +161,21 @@ class OBLRPOTrainer(GRPOTrainer):
         self.dataset_description: str | None = None
 
         self._policy_module = self.model.get_base_model() if is_peft_model(self.model) else self.model
-        self.completion_weights = self.weights_class(self)
+        self.completion_weights = self.weights_class(
+            args, self._policy_module,
+            model=lambda: self.model,
+            token_forward=lambda *inputs, **options: self._get_per_token_logps_and_entropies(self.model, *inputs,
+                                                                                             **options),
+            trainable_parameters=self._trainable_parameters,
+            metrics=self._metrics,
+            temperature=self.temperature,
+            loss_type=self.loss_type,
+            generation_hands_logits=not (self.use_vllm or args.use_transformers_continuous_batching or self.tools),
+            trl_computes_old_log_probs=self._trl_computes_old_log_probs(),
+            sharded=self._is_fsdp2,
+            gather=self.accelerator.gather,
+            autocast=self.accelerator.autocast,
+        )
         self._gathered_rewards_per_func: torch.Tensor | None = None
         self._loss_outputs: tuple[torch.Tensor, ...] | None = None
         self._warned_context = False
@@ -201,7 +218,8 @@ class OBLRPOTrainer(GRPOTrainer):
             self.kl_recorder.factor if args.lr_trust_region_kl is not None else None,
             args.skip_nonfinite_steps, lambda: self.state.global_step,
         )
-        self.records = RunRecords(self)
+        self.records = RunRecords(args, self.accelerator, lambda: self.state, self._run_description,
+                                  self.pooled_slope, self.kl_recorder, self.snr_recorder)
         self.add_callback(_OBLRPOCallback(self))
 
     def train(self, *args, **kwargs):
@@ -277,6 +295,28 @@ class OBLRPOTrainer(GRPOTrainer):
 
     def _trainable_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
+
+    def _trl_computes_old_log_probs(self) -> bool:
+        """Whether `GRPOTrainer._generate_and_score_completions` runs its no-grad forward of every generation batch
+        (`old_per_token_logps`): generations reused over several optimizer steps, or vLLM's importance sampling."""
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        return self.args.gradient_accumulation_steps % generate_every != 0 or (
+            self.use_vllm and self.vllm_importance_sampling_correction
+        )
+
+    def _run_description(self) -> RunDescription:
+        return RunDescription(
+            model_source=get_config_model_id(self.model.config) or "",
+            base_model_id=self.base_model_id,
+            hub_model_id=getattr(self, "hub_model_id", None),  # set by the Trainer once a Hub repository exists
+            dataset_id=self.dataset_id,
+            dataset_description=self.dataset_description,
+            recipe=self.recipe,
+            tags=tuple(self._tag_names),
+            paper=self._paper,
+            num_generations=self.num_generations,
+            reward_func_names=tuple(self.reward_func_names),
+        )
 
     # ------------------------------------------------------------------------------------------------------------
     # Advantages (DESIGN §2, §3)
@@ -456,7 +496,7 @@ class OBLRPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------------------------------------------------
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
-        """README.md in output_dir: base model, problems, settings and results of this run (`oblr_trl.model_card`)."""
+        """README.md in output_dir: base model, problems, settings and results of this run (`training.model_card`)."""
         if self.is_world_process_zero():
             self.records.write_card(self.args.output_dir, model_name, dataset_name, tags)
 

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
-from .sketch import GradientSketch
+from ..estimators.sketch import GradientSketch
 
 __all__ = [
     "MicroBatchGradSqNorms",
@@ -38,7 +38,7 @@ class MicroBatchGradSqNorms:
     """Accumulates Σ_k ‖h_k‖² of the gradients that reach the given parameters while ``active`` is True.
 
     Hooks also fire for ``torch.autograd.grad`` calls (per-sample norms, `exact` weights); the owner sets ``active``
-    only around the training backward. With a ``sketch`` (`oblr_trl.sketch.GradientSketch` built for the same
+    only around the training backward. With a ``sketch`` (`estimators.sketch.GradientSketch` built for the same
     parameters, in the same order), each gradient is also added to it.
     """
 

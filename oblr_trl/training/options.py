@@ -1,7 +1,7 @@
 """`OBLRPOOptions`: the options OBLR-PO adds to TRL's `GRPOConfig`, and their validation.
 
 Kept apart from `OBLRPOConfig` and free of torch/transformers imports, so that `oblr-trl train --help` and config
-checks answer at once; `OBLRPOConfig` (oblr_trl.config) combines these fields with every GRPOConfig field and
+checks answer at once; `OBLRPOConfig` (oblr_trl.training.config) combines these fields with every GRPOConfig field and
 documents them.
 """
 
@@ -10,16 +10,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-__all__ = [
-    "BASELINE_ESTIMATORS", "BASELINE_WEIGHTS", "OBLRPOOptions", "SNR_ESTIMATORS", "SNR_LR_REFERENCES", "TRAINER_VALUE_RULES",
-    "TRUST_REGION_MODES",
-]
+from ..estimators.choices import (
+    BASELINE_ESTIMATORS,
+    BASELINE_WEIGHTS,
+    SNR_ESTIMATORS,
+    SNR_LR_REFERENCES,
+    TRUST_REGION_MODES,
+)
 
-BASELINE_WEIGHTS = ("logit", "length", "exact", "uniform")
-BASELINE_ESTIMATORS = ("weighted", "shrunk", "pooled_slope")
-SNR_ESTIMATORS = ("cross_step", "two_batch", "per_sample")
-SNR_LR_REFERENCES = ("calibrated", "absolute")
-TRUST_REGION_MODES = ("cap", "target")  # the forms of oblr_trl.trust_region.TrustRegionRate
+__all__ = ["OBLRPOOptions", "TRAINER_VALUE_RULES", "check_one_of", "invalid_value"]
 
 
 def invalid_value(name: str, value, allowed: str) -> ValueError:

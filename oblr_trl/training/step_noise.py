@@ -2,7 +2,7 @@
 
 The trainer tells a [`StepNoiseRecorder`] where a step is (a new generation batch, each training micro-batch, the
 step's gradient norm once every micro-batch is in); the recorder sums the step's statistics over processes in one
-collective, turns them into ‖μ‖² and tr Σ with the pure estimators of `oblr_trl.snr`, feeds the
+collective, turns them into ‖μ‖² and tr Σ with the pure estimators of `oblr_trl.estimators.snr`, feeds the
 `SNRLearningRateController`, logs what it saw and leaves the factor of the next step in ``next_factor``.
 
 It reads gradients in one of two ways:
@@ -28,9 +28,8 @@ from typing import Any
 
 import torch
 
-from .optim_hooks import MicroBatchGradSqNorms, sketch_step_gradients
-from .sketch import GradientSketch
-from .snr import (
+from ..estimators.sketch import GradientSketch
+from ..estimators.snr import (
     NoiseEstimate,
     SNRLearningRateController,
     cross_step_noise_estimate,
@@ -38,6 +37,7 @@ from .snr import (
     per_sample_noise_estimate,
     two_batch_noise_estimate,
 )
+from .optim_hooks import MicroBatchGradSqNorms, sketch_step_gradients
 
 __all__ = ["StepNoiseRecorder"]
 

@@ -108,7 +108,7 @@ def cross_step_noise_estimate(step_sq_norm: float, cross_step_dot: float, num_un
 
     Args:
         step_sq_norm: ‖G_t‖².
-        cross_step_dot: ⟨G_t, G_s⟩ (exact, or from sketches: `oblr_trl.sketch.GradientSketch`).
+        cross_step_dot: ⟨G_t, G_s⟩ (exact, or from sketches: `oblr_trl.estimators.sketch.GradientSketch`).
         num_units: n, the groups (prompts) in a step.
     """
     if num_units <= 0:
