@@ -193,6 +193,44 @@ def test_the_sample_is_the_same_in_any_process_layout_and_resumes_with_the_run()
     assert resumed.measured_steps == recorder.measured_steps == 1
 
 
+def test_measuring_every_k_th_step_measures_the_first_and_every_k_th_step_with_a_gradient():
+    """k = 3: the first step and every third step with a gradient after the last one measured run the forward and
+    fold their KL into the rule; a step with a zero gradient is neither measured nor counted; every step logs the rate
+    it leaves for the next; the cadence is checkpointed."""
+    from collections import defaultdict
+
+    from oblr_trl.training.step_kl import StepKLRecorder
+
+    forwards = []
+
+    def token_log_probs(batch):
+        forwards.append(batch["row_id"][0].item())
+        return batch["new"]
+
+    def run(recorder, grad_norms, first_step):
+        measured = []
+        for step, grad_norm in enumerate(grad_norms, start=first_step):
+            metrics, before = defaultdict(list), len(forwards)
+            recorder.keep(*_micro_batch(4, seed=step))
+            recorder.after_step(1e-3, metrics, grad_norm)
+            measured.append(len(forwards) > before)
+            assert len(metrics["oblr/trust_region_rate"]) == 1
+            assert len(metrics["oblr/step_kl"]) == int(measured[-1])
+        return measured
+
+    rule = TrustRegionRate(1e-3, ema_decay=0.5)
+    recorder = StepKLRecorder(rule, token_log_probs, lambda s: s, measure_every=3)
+    assert run(recorder, [1.0, 1.0, 1.0, 1.0, 0.0, 1.0], 0) == [True, False, False, True, False, False]
+    assert rule.curvature.count == 2 and forwards == [0, 300]
+    resumed = StepKLRecorder(copy.deepcopy(rule), token_log_probs, lambda s: s, measure_every=3)
+    resumed.load_state_dict(json.loads(json.dumps(recorder.state_dict())))
+    assert run(resumed, [1.0, 1.0, 1.0], 6) == [False, True, False]  # step 5 was counted before the save: 7 is due
+    every = StepKLRecorder(TrustRegionRate(1e-3), token_log_probs, lambda s: s)
+    assert run(every, [1.0, 0.0, 1.0], 9) == [True, True, True]  # k = 1: every step, zero gradients too (logged)
+    with pytest.raises(ValueError, match="measure_every"):
+        StepKLRecorder(rule, token_log_probs, lambda s: s, measure_every=0)
+
+
 def test_the_draw_of_each_step_is_uniform_over_the_steps_completions():
     from oblr_trl.training.step_kl import StepKLRecorder
 
@@ -421,6 +459,25 @@ def test_a_sample_size_measures_the_step_on_that_many_completions(make_trainer):
     assert rows == [1, 1, 1]
     assert sampled.kl_recorder.measured_steps == 3
     assert all(h["oblr/step_kl"] >= 0 for h in sampled.state.log_history if "loss" in h)
+
+
+def test_measure_steps_measures_every_k_th_step_of_training(make_trainer):
+    """`lr_trust_region_measure_steps=2`: steps 1 and 3 of 4 run the measuring forward and log their KL; steps 2 and 4
+    run at the factor the last measurement set (constant schedule, no SNR factor: the same factor)."""
+    trainer = make_trainer(lr_trust_region_measure_steps=2, max_steps=4, lr_scheduler_type="constant",
+                           use_snr_lr=False)
+    assert trainer.kl_recorder.measure_every == 2
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if "loss" in h]
+    assert all(h["grad_norm"] > 0 for h in logged)  # every step has a gradient: the cadence is 1, 3
+    assert ["oblr/step_kl" in h for h in logged] == [True, False, True, False]
+    assert trainer.kl_recorder.measured_steps == 2
+    factors = _factors(trainer)
+    assert factors[0] == 0.01 and factors[2] == factors[1]
+    from oblr_trl.training.run_records import card_settings
+
+    settings = card_settings(trainer.args, 4, trainer.num_generations, trainer.reward_func_names)
+    assert "measured every 2 steps" in settings["learning-rate factor"]
 
 
 def test_resume_restores_the_trust_region(make_trainer, tmp_path):

@@ -207,6 +207,11 @@ class OBLRPOConfig(OBLRPOOptions, GRPOConfig):  # this base order keeps GRPOConf
             the policy's expected KL as those were. Per-completion KLs are heavy-tailed (one completion often holds
             most of a step's KL): smaller samples are noisy, measured in docs/trust_region.md. `None`: every
             completion. Vision-language models always measure every completion.
+        lr_trust_region_measure_steps (`int`, *optional*, defaults to `1`):
+            Measure the step KL on the first step and then on every this-many-th optimizer step with a gradient
+            after the last one measured (1: every step). The trust region sizes the steps in between with the
+            curvature it last measured: k saves k − 1 of every k measuring forwards, and a jump of curvature is seen
+            up to k − 1 steps later. A step whose gradient is zero is not measured when k > 1.
         log_step_kl (`bool`, *optional*, defaults to `False`):
             Measure and log each step's KL (`oblr/step_kl`) without a trust region (one no-grad forward of the
             step's completions). Always on with `lr_trust_region_kl`.

@@ -215,6 +215,14 @@ class OBLRPOOptions:
             "(vision-language models always measure every completion)."
         },
     )
+    lr_trust_region_measure_steps: int = field(
+        default=1,
+        metadata={
+            "help": "Measure the step KL on the first step and then on every this-many-th step with a gradient (1: "
+            "every step); the steps in between use the curvature last measured. k saves k − 1 of every k measuring "
+            "forwards; the trust region reacts to a jump of curvature up to k − 1 steps later (docs/trust_region.md)."
+        },
+    )
     log_step_kl: bool = field(
         default=False,
         metadata={
@@ -286,6 +294,10 @@ class OBLRPOOptions:
             or self.lr_trust_region_sample_size < 1
         ):
             raise invalid_value("lr_trust_region_sample_size", self.lr_trust_region_sample_size, "None or an integer >= 1")
+        if isinstance(self.lr_trust_region_measure_steps, bool) or not isinstance(
+            self.lr_trust_region_measure_steps, int
+        ) or self.lr_trust_region_measure_steps < 1:
+            raise invalid_value("lr_trust_region_measure_steps", self.lr_trust_region_measure_steps, "an integer >= 1")
 
     @property
     def measures_step_kl(self) -> bool:

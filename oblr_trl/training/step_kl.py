@@ -8,7 +8,10 @@ the mean per token as `oblr/step_kl` and, with a `TrustRegionRate`, folds it int
 step.
 
 By default every token of the step counts; it costs one no-grad forward of the step's completions, as TRL's own
-old-log-probability pass does when `num_iterations > 1`. With a sample size n, the forward runs on n of the step's
+old-log-probability pass does when `num_iterations > 1`. With ``measure_every`` = k > 1 only the first step and every
+k-th step after the last one measured are (k − 1 forwards in k saved); the rule sizes the steps in between with the
+curvature it last measured, which predicts the next step's about as well (the per-step curvature is mostly noise from
+one step to the next: docs/trust_region.md). With a sample size n, the forward runs on n of the step's
 completions only, drawn uniformly without replacement over every process's completions of the step (the same draw
 in any process layout: a permutation of the step's global row order seeded by the run's seed and the step), and the
 KL is the mean per token over the sampled completions' tokens. Either way the measurement does not depend on how the
@@ -47,6 +50,9 @@ class StepKLRecorder:
         gather: concatenates a 1-D tensor over processes in process order (needed with ``sample_size``).
         process_index: this process's place in that order.
         seed: seed of the draws (the run's seed).
+        measure_every: k: measure the first step and then every k-th step with a gradient after the last one measured
+            (1: every step). The rule keeps the curvature it last measured in between; a step whose gradient is zero
+            is not measured when k > 1 (it would not be folded in, `after_step`) and does not count.
     """
 
     def __init__(
@@ -58,14 +64,19 @@ class StepKLRecorder:
         gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
         process_index: int = 0,
         seed: int = 0,
+        measure_every: int = 1,
     ):
         if sample_size is not None and gather is None:
             raise ValueError("a sample of the step's completions needs `gather` to draw it over every process.")
+        if measure_every < 1:
+            raise ValueError(f"measure_every must be an integer >= 1; got {measure_every}.")
         self.rule = rule
         self.token_log_probs = token_log_probs
         self.reduce_sum = reduce_sum
         self.sample_size, self.gather, self.process_index, self.seed = sample_size, gather, process_index, seed
         self.measured_steps = 0  # seeds each step's draw; saved with the checkpoint so that a resume draws the same
+        self.measure_every = measure_every
+        self.unmeasured_steps = measure_every - 1  # steps with a gradient since the last one measured: the first is due
         self._batches: list[tuple[dict[str, Any], torch.Tensor, torch.Tensor]] = []
 
     def keep(self, batch: dict[str, Any], log_probs: torch.Tensor, mask: torch.Tensor) -> None:
@@ -82,6 +93,11 @@ class StepKLRecorder:
         not folded in."""
         kept, self._batches = self._batches, []
         if not kept or lr is None:  # no micro-batch ran, or the step was refused (on every process alike): no move
+            return
+        if not self._due(grad_norm):
+            if self.rule is not None:
+                rate = self.rule.rate
+                metrics["oblr/trust_region_rate"].append(rate if math.isfinite(rate) else float("nan"))
             return
         with torch.no_grad():
             rows, largest = self._drawn_rows(kept)
@@ -109,6 +125,19 @@ class StepKLRecorder:
                 self.rule.update(kl, lr)
             rate = self.rule.rate
             metrics["oblr/trust_region_rate"].append(rate if math.isfinite(rate) else float("nan"))
+
+    def _due(self, grad_norm: float | None) -> bool:
+        """Whether the step just taken is measured (``measure_every``); counts it among the unmeasured otherwise.
+        Every process decides alike: the gradient norm and the step count are the same on all of them."""
+        if self.measure_every == 1:
+            return True
+        if grad_norm == 0.0:
+            return False
+        if self.unmeasured_steps + 1 >= self.measure_every:
+            self.unmeasured_steps = 0
+            return True
+        self.unmeasured_steps += 1
+        return False
 
     def _drawn_rows(self, kept: list) -> tuple[list[torch.Tensor | None], int]:
         """Per kept micro-batch, a boolean mask of its rows drawn for the measurement (None where every row counts);
@@ -147,13 +176,14 @@ class StepKLRecorder:
         return 1.0 if self.rule is None else self.rule.factor(base_lr)
 
     def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"measured_steps": self.measured_steps}
+        state: dict[str, Any] = {"measured_steps": self.measured_steps, "unmeasured_steps": self.unmeasured_steps}
         if self.rule is not None:
             state["trust_region"] = self.rule.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.measured_steps = int(state.get("measured_steps", 0))
+        self.unmeasured_steps = int(state.get("unmeasured_steps", self.measure_every - 1))
         if self.rule is not None and "trust_region" in state:
             self.rule.load_state_dict(state["trust_region"])
 

@@ -211,6 +211,7 @@ class OBLRPOTrainer(GRPOTrainer):
                 lambda stats: self.accelerator.reduce(stats, reduction="sum"),
                 sample_size=None if self._is_vlm else args.lr_trust_region_sample_size,
                 gather=self.accelerator.gather, process_index=self.accelerator.process_index, seed=args.seed,
+                measure_every=args.lr_trust_region_measure_steps,
             )
         self.step_control = OptimizerStepControl(
             self.accelerator, self._metrics["train"],
