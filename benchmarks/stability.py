@@ -113,12 +113,12 @@ GRPO_AS_OBLRPO = {"baseline_weights": "uniform", "baseline_estimator": "weighted
 for _form in ("cap", "target"):
     SMOLLM2_METHODS[f"oblrpo-trust-{_form}"] = (
         {"lr_trust_region_kl": PROBLEMS_DELTA, "lr_trust_region_mode": _form}, TRL_SCHEDULE)
+    SMOLLM2_METHODS[f"grpo-trust-{_form}"] = (
+        {**GRPO_AS_OBLRPO, "lr_trust_region_kl": PROBLEMS_DELTA, "lr_trust_region_mode": _form}, TRL_SCHEDULE)
 # the defaults measuring every 4th step's KL instead of every step's (issue 38: a quarter of the measuring forwards)
 SMOLLM2_METHODS["oblrpo-trust-cap-every4"] = (
     {"lr_trust_region_kl": PROBLEMS_DELTA, "lr_trust_region_mode": "cap", "lr_trust_region_measure_steps": 4},
     TRL_SCHEDULE)
-    SMOLLM2_METHODS[f"grpo-trust-{_form}"] = (
-        {**GRPO_AS_OBLRPO, "lr_trust_region_kl": PROBLEMS_DELTA, "lr_trust_region_mode": _form}, TRL_SCHEDULE)
 # the grid of each problem set (below) is the symmetric one of issue 26: GRPO's best rate ÷10 … ×10, so that a rule
 # which only shrinks the rate loses at the low end what it saves at the high end; runs at other rates are reported
 # beside it, outside the regret
