@@ -5,8 +5,9 @@ back until `max_completion_length`) so that every step of every variant processe
 difference in time is the trainer's own. Each (variant, repeat) runs in a fresh process. The order alternates
 between repeats (A B C, C B A, A B C, …; A B B A … for two variants): whichever runs first in a repeat runs slower on
 a small machine (a fixed order gave OBLR-PO 0.90× or 1.07× GRPO's step time depending on which went first), and
-alternating puts every variant first equally often. Per run, the median of the timed steps (after warm-up steps); per
-variant, the median over runs, and the paired ratio to GRPO in each repeat: its mean with a 95 % bootstrap interval
+alternating puts every variant first equally often. Per run, the mean of the timed steps (after warm-up steps: a cost
+paid on some steps only, such as the trust region measuring every k-th step, counts in full; the medians are kept in
+the runs' records); per variant, the median over runs, and the paired ratio to GRPO in each repeat: its mean with a 95 % bootstrap interval
 over repeats (and min–max). Peak memory: resident set size (CPU, per process) or peak allocated (GPU).
 
 Generation is timed inside every step (TRL's `_generate_single_turn`, synchronised on a GPU), so each step splits into
@@ -76,6 +77,8 @@ VARIANTS = {
     "oblrpo-trust-region": {"lr_trust_region_kl": 1e-3},
     # the defaults with the step's KL measured on 2 of its completions (lr_trust_region_sample_size)
     "oblrpo-kl-sample-2": {"lr_trust_region_sample_size": 2},
+    # the defaults with the step's KL measured on every 4th step (lr_trust_region_measure_steps; time ≥ 4 steps)
+    "oblrpo-every4": {"lr_trust_region_measure_steps": 4},
 }
 # OBLR-PO's own phases, timed inside each step (seconds a step): the trust region's measuring forward and the weights
 PHASES = {"step_kl": ("oblr_trl.training.step_kl", "StepKLRecorder", "after_step"),
@@ -289,14 +292,18 @@ def run_child(spec: dict) -> dict:
     # the share of completions whose exact weights were measured (groups with reward spread), over the timed steps
     measured = [log["oblr/weights/measured_frac"] for log in trainer.state.log_history
                 if "oblr/weights/measured_frac" in log][spec["warmup_steps"]:]
-    return {"weights_measured_frac": statistics.fmean(measured) if measured else None,"variant": spec["variant"], "repeat": spec["repeat"], "position": spec["position"],
+    return {"weights_measured_frac": statistics.fmean(measured) if measured else None,
+            "variant": spec["variant"], "repeat": spec["repeat"], "position": spec["position"],
             "num_generations": trainer.args.num_generations, "processes": trainer.accelerator.num_processes,
             "distributed_type": str(trainer.accelerator.distributed_type), "step_seconds": timed,
             "generation_seconds": generating, "median_step_seconds": statistics.median(timed),
             "median_generation_seconds": statistics.median(generating),
             "median_trainer_seconds": statistics.median(trainer_part), "peak_memory_bytes": memory.peak,
-            **{f"median_{name}_seconds": statistics.median(seconds[spec["warmup_steps"]:])
-               for name, seconds in phase_times.items()}}
+            "mean_step_seconds": statistics.fmean(timed), "mean_generation_seconds": statistics.fmean(generating),
+            "mean_trainer_seconds": statistics.fmean(trainer_part),
+            **{f"{statistic}_{name}_seconds": function(seconds[spec["warmup_steps"]:])
+               for name, seconds in phase_times.items()
+               for statistic, function in (("median", statistics.median), ("mean", statistics.fmean))}}
 
 
 def balanced_order(variants: list[str], repeat: int) -> list[str]:
@@ -310,22 +317,22 @@ def summarise(runs: list[dict], variants: list[str]) -> list[dict]:
     reference = by_variant.get("grpo")
     rows = []
     for variant, results in by_variant.items():
-        medians = [r["median_step_seconds"] for r in results]
+        medians = [r["mean_step_seconds"] for r in results]  # the median over runs of each run's mean step
         memory = [r["peak_memory_bytes"] for r in results]
         measured = [r["weights_measured_frac"] for r in results if r.get("weights_measured_frac") is not None]
         row = {"variant": variant, "median_step_seconds": statistics.median(medians), "min": min(medians),
                "weights_measured_frac": statistics.fmean(measured) if measured else None,
                "max": max(medians), "peak_memory_mib": statistics.median(memory) / 2**20,
-               "median_generation_seconds": statistics.median(r["median_generation_seconds"] for r in results),
-               "median_trainer_seconds": statistics.median(r["median_trainer_seconds"] for r in results),
-               **{f"median_{name}_seconds": statistics.median(r[f"median_{name}_seconds"] for r in results)
+               "median_generation_seconds": statistics.median(r["mean_generation_seconds"] for r in results),
+               "median_trainer_seconds": statistics.median(r["mean_trainer_seconds"] for r in results),
+               **{f"median_{name}_seconds": statistics.median(r[f"mean_{name}_seconds"] for r in results)
                   for name in PHASES}}
         if reference:
             def paired(key):
                 return [r[key] / g[key] for r, g in zip(results, reference, strict=True)]
 
-            time_ratios, memory_ratios = paired("median_step_seconds"), paired("peak_memory_bytes")
-            trainer_ratios, generation_ratios = paired("median_trainer_seconds"), paired("median_generation_seconds")
+            time_ratios, memory_ratios = paired("mean_step_seconds"), paired("peak_memory_bytes")
+            trainer_ratios, generation_ratios = paired("mean_trainer_seconds"), paired("mean_generation_seconds")
             row |= {"time_ratio": statistics.median(time_ratios), "time_ratio_min": min(time_ratios),
                     "time_ratio_max": max(time_ratios), "time_ratio_mean": statistics.fmean(time_ratios),
                     "time_ratio_ci": bootstrap_ci(time_ratios), "memory_ratio": statistics.median(memory_ratios),
@@ -425,7 +432,7 @@ def main(argv=None):
         f"{config['per_device_train_batch_size']} × {config['gradient_accumulation_steps']} "
         f"completions per step, completions fixed at {length} tokens; {args.repeats} repeats "
         f"(order alternating: {' '.join(balanced_order(args.variants, 0))}, then reversed) × {args.steps} timed steps "
-        f"(after {args.warmup_steps} warm-up)"
+        f"(after {args.warmup_steps} warm-up; per run their mean)"
         + (f"; FSDP2 over {args.fsdp2_cpu_processes} CPU processes for every variant" if args.fsdp2_cpu_processes
            else "")
         + (f"; preset overrides `{overrides}`" if overrides else "") + ".\n\n"

@@ -93,7 +93,7 @@ def test_overhead_times_generation_and_the_trainers_part_on_a_random_model_of_a_
     """The GPU preset's path on CPU: a random model of a named shape with SmolLM2's tokenizer, a reward that varies
     per completion, and each step split into generation and the trainer's own part, with OBLR-PO's phases."""
     run("overhead.py", "--preset", "gpu", "--model", "random:smollm2-135m", "--variants", "grpo",
-        "oblrpo-kl-sample-2", "--repeats", "1", "--steps", "1", "--max_completion_length", "3", "--set", "bf16=false",
+        "oblrpo-kl-sample-2", "--repeats", "1", "--steps", "3", "--max_completion_length", "3", "--set", "bf16=false",
         "--set", "use_cpu=true", "--set", "gradient_checkpointing=false", "--set", "per_device_train_batch_size=4",
         "--set", "num_generations=4", "--set", "gradient_accumulation_steps=2", "--output_dir", str(tmp_path))
     assert (tmp_path / "runs" / "random-smollm2-135m" / "config.json").exists()
@@ -108,6 +108,12 @@ def test_overhead_times_generation_and_the_trainers_part_on_a_random_model_of_a_
     # one repeat: the interval is the value itself, bootstrapped in float32
     assert low - 1e-6 <= sampled["trainer_ratio_mean"] <= high + 1e-6 and sampled["generation_ratio_mean"] > 0
     assert sampled["median_step_kl_seconds"] > 0  # the trust region's forward, timed inside the step
+    # each run counts by its mean step (a cost paid every k-th step counts in full), paired to GRPO's
+    runs = {run_["variant"]: run_ for run_ in results["runs"]}
+    for run_ in runs.values():
+        assert run_["mean_step_seconds"] == pytest.approx(sum(run_["step_seconds"]) / 3, rel=1e-9)
+    assert sampled["time_ratio_mean"] == pytest.approx(
+        runs["oblrpo-kl-sample-2"]["mean_step_seconds"] / runs["grpo"]["mean_step_seconds"], rel=1e-6)
 
 
 def test_step_kl_sampling_smoke(saved_tiny_model, tmp_path):
