@@ -95,9 +95,7 @@ class StepKLRecorder:
         if not kept or lr is None:  # no micro-batch ran, or the step was refused (on every process alike): no move
             return
         if not self._due(grad_norm):
-            if self.rule is not None:
-                rate = self.rule.rate
-                metrics["oblr/trust_region_rate"].append(rate if math.isfinite(rate) else float("nan"))
+            self._log_rate(metrics)
             return
         with torch.no_grad():
             rows, largest = self._drawn_rows(kept)
@@ -120,9 +118,13 @@ class StepKLRecorder:
         self.measured_steps += 1
         kl = total / tokens if tokens > 0 else float("nan")
         metrics["oblr/step_kl"].append(kl)
+        if self.rule is not None and grad_norm != 0.0:
+            self.rule.update(kl, lr)
+        self._log_rate(metrics)
+
+    def _log_rate(self, metrics: MutableMapping[str, list]) -> None:
+        """The rate the rule leaves for the next step (NaN before any measurement), with a rule."""
         if self.rule is not None:
-            if grad_norm != 0.0:
-                self.rule.update(kl, lr)
             rate = self.rule.rate
             metrics["oblr/trust_region_rate"].append(rate if math.isfinite(rate) else float("nan"))
 
