@@ -184,13 +184,12 @@ def parse_overrides(items: list[str]) -> dict:
 
 
 def child_main(run_child, child_spec: str) -> int:
-    from accelerate import PartialState
+    from oblr_trl.training.guards import end_distributed_training
 
     result = run_child(json.loads(child_spec))
     if os.environ.get("RANK", "0") == "0":  # one RESULT line from a multi-process launch
         print("RESULT " + json.dumps(result))
-    # left to interpreter exit, gloo's worker threads can outlive Python and abort a launch that succeeded
-    PartialState().destroy_process_group()
+    end_distributed_training()  # run_child's trainer is unreferenced: collected before the group goes
     return 0
 
 

@@ -29,6 +29,7 @@ _PUBLIC = {
     "two_batch_noise_estimate": "estimators.snr",
     "OBLRPOTrainer": "training.trainer",
     "TrainingPreempted": "training.guards",
+    "end_distributed_training": "training.guards",
     "length_weights": "estimators.weights",
     "log_sum_sq_probs": "estimators.weights",
     "logit_gradient_sq_norms": "estimators.weights",

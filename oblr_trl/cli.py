@@ -374,6 +374,7 @@ def train(argv: list[str]) -> int:
         from .rewards import get_reward_funcs
         from .tasks import load_task, task_source
         from .training import models
+        from .training.guards import end_distributed_training
 
         model_name = model_args.model_name_or_path or DEFAULT_MODEL
         models.check_model_available(model_name)
@@ -408,9 +409,9 @@ def train(argv: list[str]) -> int:
     try:
         return _train_and_publish(trainer, argv, training_args, task_args, dataset_id)
     finally:
-        # left to interpreter exit, gloo's worker threads can outlive Python and abort a launch that succeeded
-        # (SIGABRT after the last step); accelerate's end of training destroys the process group while Python is whole
-        trainer.accelerator.end_training()
+        accelerator = trainer.accelerator
+        del trainer  # the last reference outside the trainer's own cycles: end_distributed_training collects them
+        end_distributed_training(accelerator)
 
 
 def _train_and_publish(trainer, argv: list[str], training_args, task_args, dataset_id: str | None) -> int:

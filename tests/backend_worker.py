@@ -24,12 +24,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
 
 import torch  # noqa: E402
-from accelerate import PartialState  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
 from oblr_trl import OBLRPOConfig, OBLRPOTrainer  # noqa: E402
 from oblr_trl.testing import allow_fsdp_on_cpu, tiny_causal_lm, tiny_tokenizer  # noqa: E402
+from oblr_trl.training.guards import end_distributed_training  # noqa: E402
 from oblr_trl.training.optim_hooks import innermost_optimizer  # noqa: E402
 
 if not torch.cuda.is_available():
@@ -111,10 +111,9 @@ def main(out: str) -> None:
                 "params_finite": bool(final.isfinite().all()),
                 "log_history": trainer.state.log_history,
             }, f)
-    trainer.accelerator.end_training()
-    # the process group destroyed while Python is whole: left to interpreter exit, gloo's worker threads can outlive
-    # Python and abort a run that succeeded (SIGABRT)
-    PartialState().destroy_process_group()
+    accelerator = trainer.accelerator
+    del trainer
+    end_distributed_training(accelerator)
 
 
 if __name__ == "__main__":

@@ -25,11 +25,11 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 import trl.trainer.grpo_trainer as grpo_trainer  # noqa: E402
-from accelerate import PartialState  # noqa: E402
 from datasets import Dataset  # noqa: E402
 
 from oblr_trl import OBLRPOConfig, OBLRPOTrainer  # noqa: E402
 from oblr_trl.testing import allow_fsdp_on_cpu, tiny_causal_lm, tiny_tokenizer  # noqa: E402
+from oblr_trl.training.guards import end_distributed_training  # noqa: E402
 
 grpo_trainer.shuffle_sequence_dict = lambda batch: batch  # micro-batches follow the order of the generation batch
 
@@ -156,8 +156,7 @@ def main():
             result.pop("is_main_process")
         with open(args.output, "w") as f:
             json.dump(results, f)
-    # left to interpreter exit, gloo's worker threads can outlive Python and abort the process (SIGABRT, seen in CI)
-    PartialState().destroy_process_group()
+    end_distributed_training()  # the trainers of the cases are unreferenced: collected before the group goes
 
 
 if __name__ == "__main__":

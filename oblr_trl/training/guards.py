@@ -1,12 +1,13 @@
 """Clear errors for bad input, and a graceful stop on SIGTERM/SIGINT (docs/robustness.md lists every case tried).
 
-Glue, no math: checks that run before training starts, a wrapper that names a failing reward function, and the signal
-handling behind `save_on_preemption`.
+Glue, no math: checks that run before training starts, a wrapper that names a failing reward function, the signal
+handling behind `save_on_preemption`, and the end of a multi-process run.
 """
 
 from __future__ import annotations
 
 import functools
+import gc
 import inspect
 import signal
 import threading
@@ -14,7 +15,8 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["PreemptionSignal", "TrainingPreempted", "name_reward_errors", "validate_training_data"]
+__all__ = ["PreemptionSignal", "TrainingPreempted", "end_distributed_training", "name_reward_errors",
+           "validate_training_data"]
 
 # What TRL passes to every reward function besides the dataset's own columns.
 _TRL_REWARD_KWARGS = {"prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric", "environments"}
@@ -129,3 +131,24 @@ class TrainingPreempted(RuntimeError):
         where = (f"checkpoint saved to {checkpoint}; resume with trainer.train(resume_from_checkpoint={checkpoint!r})"
                  if checkpoint else "no checkpoint was saved")
         super().__init__(f"Training stopped by {cause} after optimizer step {step}: {where}.")
+
+
+def end_distributed_training(accelerator=None) -> None:
+    """Let go of everything that holds the process group, then destroy it, while the interpreter is still whole.
+
+    ``destroy_process_group`` only drops torch.distributed's own references. A trainer lives in reference cycles, so
+    after its last use it and its DDP wrapper (whose reducer holds the gloo group) wait for the garbage collector; if
+    that first runs at interpreter exit, gloo's worker threads are torn down with Python and a run whose training
+    succeeded aborts ("terminate called without an active exception", SIGABRT; seen in CI on 2026-11-26 after the
+    group had been destroyed). The caller drops its own references to the trainer first. ``accelerator`` (optional)
+    releases the prepared models and optimizers it keeps and finishes its trackers.
+    """
+    from accelerate import PartialState
+
+    if accelerator is not None:
+        accelerator.free_memory()  # it collects before it lets go of the prepared models: collected again below
+    gc.collect()
+    if accelerator is not None:
+        accelerator.end_training()
+    else:
+        PartialState().destroy_process_group()
