@@ -193,6 +193,7 @@ def run_child(spec: dict) -> dict:
         result["lr_trust_region_kl"] = getattr(trainer.args, "lr_trust_region_kl", None)
         # how many of a step's completions its KL was measured on (None: all; runs before 2026-11-26 measured all)
         result["lr_trust_region_sample_size"] = getattr(trainer.args, "lr_trust_region_sample_size", None)
+        result["lr_trust_region_measure_steps"] = getattr(trainer.args, "lr_trust_region_measure_steps", None)
     return result
 
 
@@ -212,21 +213,28 @@ def graded_now(path: Path) -> bool:
     return path.exists() and grader_of(json.loads(path.read_text())) == GRADER_VERSION
 
 
-def recorded_trust_region(run: dict) -> float | None:
-    """The δ of the trust region a run used. Runs recorded before 2026-11-26 carry none: their overrides say, and
-    without one they ran without a trust region, the default then."""
-    if "lr_trust_region_kl" in run:
-        return run["lr_trust_region_kl"]
-    return (run.get("overrides") or {}).get("lr_trust_region_kl")
+def recorded_trust_region(run: dict) -> tuple[float | None, int | None]:
+    """The δ of the trust region a run used and every how many steps it measured the KL (None without one). Runs
+    recorded before 2026-11-26 carry no δ: their overrides say, and without one they ran without a trust region, the
+    default then; runs recorded before 2026-11-27 carry no cadence: their overrides say, else every step."""
+    kl = run["lr_trust_region_kl"] if "lr_trust_region_kl" in run else (run.get("overrides") or {}).get("lr_trust_region_kl")
+    if kl is None:
+        return None, None
+    return kl, run.get("lr_trust_region_measure_steps",
+                       (run.get("overrides") or {}).get("lr_trust_region_measure_steps", 1))
 
 
-def requested_trust_region(spec: dict) -> float | None:
-    """The δ a spec asks for: its override, else OBLRPOConfig's default; GRPO and the untrained model none."""
+def requested_trust_region(spec: dict) -> tuple[float | None, int | None]:
+    """The δ and measuring cadence a spec asks for: its overrides, else OBLRPOConfig's defaults; GRPO and the
+    untrained model none."""
     if spec.get("overrides") is None:
-        return None
+        return None, None
     from oblr_trl import OBLRPOConfig
 
-    return spec["overrides"].get("lr_trust_region_kl", OBLRPOConfig.lr_trust_region_kl)
+    kl = spec["overrides"].get("lr_trust_region_kl", OBLRPOConfig.lr_trust_region_kl)
+    if kl is None:
+        return None, None
+    return kl, spec["overrides"].get("lr_trust_region_measure_steps", OBLRPOConfig.lr_trust_region_measure_steps)
 
 
 def current(path: Path, spec: dict) -> bool:

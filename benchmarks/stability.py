@@ -110,12 +110,14 @@ PROBLEMS_DELTA = math.nan  # not a valid δ: a trust-region run that missed the 
 # GRPO's advantage from OBLR-PO's pieces: the whole-group mean with std scaling, no SNR factor
 GRPO_AS_OBLRPO = {"baseline_weights": "uniform", "baseline_estimator": "weighted", "leave_one_out": False,
                   "use_snr_lr": False}
-for _form in ("cap", "target"):
+for _form in ("cap", "target"):  # the KL measured on every step, as these methods' runs were
     SMOLLM2_METHODS[f"oblrpo-trust-{_form}"] = (
-        {"lr_trust_region_kl": PROBLEMS_DELTA, "lr_trust_region_mode": _form}, TRL_SCHEDULE)
+        {"lr_trust_region_kl": PROBLEMS_DELTA, "lr_trust_region_mode": _form, "lr_trust_region_measure_steps": 1},
+        TRL_SCHEDULE)
     SMOLLM2_METHODS[f"grpo-trust-{_form}"] = (
-        {**GRPO_AS_OBLRPO, "lr_trust_region_kl": PROBLEMS_DELTA, "lr_trust_region_mode": _form}, TRL_SCHEDULE)
-# the defaults measuring every 4th step's KL instead of every step's (issue 38: a quarter of the measuring forwards)
+        {**GRPO_AS_OBLRPO, "lr_trust_region_kl": PROBLEMS_DELTA, "lr_trust_region_mode": _form,
+         "lr_trust_region_measure_steps": 1}, TRL_SCHEDULE)
+# the cap measuring every 4th step's KL instead of every step's (issue 38: a quarter of the measuring forwards)
 SMOLLM2_METHODS["oblrpo-trust-cap-every4"] = (
     {"lr_trust_region_kl": PROBLEMS_DELTA, "lr_trust_region_mode": "cap", "lr_trust_region_measure_steps": 4},
     TRL_SCHEDULE)
@@ -414,13 +416,20 @@ def grid_methods(methods: list[str], problems: dict) -> list[str]:
 
 
 def defaults_twin(problems: dict) -> str | None:
-    """The trust-region method that runs OBLRPOConfig's defaults on ``problems`` (its δ and form are the defaults'),
-    so that the grid reports `oblrpo` without running the same configuration twice; None where δ differs."""
+    """The trust-region method that runs OBLRPOConfig's defaults on ``problems`` (its δ, form and measuring cadence
+    are the defaults'), so that the grid reports `oblrpo` without running the same configuration twice; None where
+    δ differs."""
     from oblr_trl import OBLRPOConfig
 
     if problems["trust_region_kl"] != OBLRPOConfig.lr_trust_region_kl:
         return None
-    return f"oblrpo-trust-{OBLRPOConfig.lr_trust_region_mode}"
+
+    def is_default(field: str, value) -> bool:
+        return value is PROBLEMS_DELTA if field == "lr_trust_region_kl" else getattr(OBLRPOConfig, field) == value
+
+    return next((name for name, (overrides, schedule) in SMOLLM2_METHODS.items()
+                 if overrides and "lr_trust_region_kl" in overrides and schedule is TRL_SCHEDULE
+                 and all(is_default(field, value) for field, value in overrides.items())), None)
 
 
 # --- report ----------------------------------------------------------------------------------------------------------

@@ -289,7 +289,8 @@ def test_stability_tables_never_mix_graders(tmp_path):
 
 def test_a_cached_run_of_the_defaults_is_rerun_when_their_trust_region_changes(tmp_path):
     """`oblrpo` names the defaults: a run cached before the trust region became one (no δ recorded, no override) is
-    not reused for it, while a run that recorded the default δ, GRPO's run and an explicit `None` are."""
+    not reused for it, while a run that recorded the default δ and cadence, GRPO's run and an explicit `None` are; a
+    run recorded before the cadence was (every step measured) serves a spec that measures every step only."""
     sys.path.insert(0, str(BENCHMARKS))
     from learning import current
 
@@ -306,8 +307,14 @@ def test_a_cached_run_of_the_defaults_is_rerun_when_their_trust_region_changes(t
     before = cached("before", method="oblrpo", overrides={})
     assert not current(before, {"method": "oblrpo", "overrides": {}})
     assert current(before, {"method": "oblrpo-no-trust", "overrides": {"lr_trust_region_kl": None}})
-    now = cached("now", method="oblrpo", overrides={}, lr_trust_region_kl=default)
+    now = cached("now", method="oblrpo", overrides={}, lr_trust_region_kl=default,
+                 lr_trust_region_measure_steps=OBLRPOConfig.lr_trust_region_measure_steps)
     assert current(now, {"method": "oblrpo", "overrides": {}})
+    every_step = cached("every_step", method="oblrpo", overrides={}, lr_trust_region_kl=default)
+    assert current(every_step, {"overrides": {"lr_trust_region_measure_steps": 1}})
+    assert not current(every_step, {"overrides": {"lr_trust_region_measure_steps": 4}})
+    assert current(cached("every4", overrides={"lr_trust_region_measure_steps": 4}, lr_trust_region_kl=default),
+                   {"overrides": {"lr_trust_region_measure_steps": 4}})
     assert current(cached("grpo", method="grpo", overrides=None), {"method": "grpo", "overrides": None})
     explicit = cached("explicit", method="cap", overrides={"lr_trust_region_kl": 0.4})
     assert current(explicit, {"overrides": {"lr_trust_region_kl": 0.4}})
@@ -315,10 +322,18 @@ def test_a_cached_run_of_the_defaults_is_rerun_when_their_trust_region_changes(t
 
 
 def test_the_grid_reports_the_defaults_from_the_trust_region_runs_that_are_them(tmp_path):
-    """Where a grid's δ and form are OBLRPOConfig's defaults, `oblrpo` in the summary is that method's cells (marked
-    as the same runs); where δ differs (a ± b's 0.4), `oblrpo` is absent rather than borrowed."""
+    """Where a grid's δ, form and measuring cadence are OBLRPOConfig's defaults, `oblrpo` in the summary is that
+    method's cells (marked as the same runs); where δ differs (a ± b's 0.4), `oblrpo` is absent rather than borrowed."""
     sys.path.insert(0, str(BENCHMARKS))
-    from stability import A_PLUS_B, A_PLUS_MINUS_B, smollm2_grid
+    from stability import A_PLUS_B, A_PLUS_MINUS_B, SMOLLM2_METHODS, defaults_twin, smollm2_grid
+
+    from oblr_trl import OBLRPOConfig
+
+    twin = defaults_twin(A_PLUS_B)
+    overrides = SMOLLM2_METHODS[twin][0]
+    assert overrides["lr_trust_region_mode"] == OBLRPOConfig.lr_trust_region_mode
+    assert overrides.get("lr_trust_region_measure_steps", 1) == OBLRPOConfig.lr_trust_region_measure_steps
+    assert twin in ("oblrpo-trust-cap", "oblrpo-trust-cap-every4")
 
     def runs(problems, method):
         made = [{"method": "initial", "accuracy": 0.5, "problems": problems["title"], "learning_rate": 0.0, "seed": 0}]
@@ -328,16 +343,19 @@ def test_the_grid_reports_the_defaults_from_the_trust_region_runs_that_are_them(
                              "problems": problems["title"], "traces": {"snr/lr_factor": [1.0] * 3}})
         return made
 
-    summary, _ = smollm2_grid(runs(A_PLUS_B, "oblrpo-trust-cap"), resamples=20)
-    assert summary["methods"]["oblrpo"]["same_runs_as"] == "oblrpo-trust-cap"
-    assert summary["methods"]["oblrpo"]["by_lr"] == summary["methods"]["oblrpo-trust-cap"]["by_lr"]
-    summary, _ = smollm2_grid(runs(A_PLUS_MINUS_B, "oblrpo-trust-cap"), resamples=20)
+    summary, _ = smollm2_grid(runs(A_PLUS_B, twin), resamples=20)
+    assert summary["methods"]["oblrpo"]["same_runs_as"] == twin
+    assert summary["methods"]["oblrpo"]["by_lr"] == summary["methods"][twin]["by_lr"]
+    other = next(name for name in ("oblrpo-trust-cap", "oblrpo-trust-cap-every4") if name != twin)
+    summary, _ = smollm2_grid(runs(A_PLUS_B, other), resamples=20)  # another cadence is not the defaults
+    assert "oblrpo" not in summary["methods"]
+    summary, _ = smollm2_grid(runs(A_PLUS_MINUS_B, twin), resamples=20)
     assert "oblrpo" not in summary["methods"]
     # and the grid does not run the defaults twice under two names
     from stability import grid_methods
 
-    assert grid_methods(["grpo", "oblrpo", "oblrpo-trust-cap"], A_PLUS_B) == ["grpo", "oblrpo-trust-cap"]
-    assert grid_methods(["grpo", "oblrpo", "oblrpo-trust-cap"], A_PLUS_MINUS_B) == ["grpo", "oblrpo", "oblrpo-trust-cap"]
+    assert grid_methods(["grpo", "oblrpo", twin], A_PLUS_B) == ["grpo", twin]
+    assert grid_methods(["grpo", "oblrpo", twin], A_PLUS_MINUS_B) == ["grpo", "oblrpo", twin]
     assert grid_methods(["grpo", "oblrpo"], A_PLUS_B) == ["grpo", "oblrpo"]
     # the synthetic testbed's `oblrpo` predates the trust region: its summary names the method that is the defaults
     from stability import synthetic_defaults_line
