@@ -65,7 +65,8 @@ from common import (  # noqa: E402
 
 VARIANTS = {
     "grpo": None,  # TRL's GRPOTrainer with GRPOConfig defaults
-    "oblrpo": {},  # OBLR-PO defaults: logit weights + SNR learning rate + the trust region's cap (its KL forward)
+    # OBLR-PO defaults: logit weights + SNR learning rate + the trust region's cap (its KL forward every 4th step)
+    "oblrpo": {},
     "oblrpo-no-trust": {"lr_trust_region_kl": None},  # the defaults before 2026-11-26
     "oblrpo-no-snr": {"use_snr_lr": False},
     "length": {"baseline_weights": "length"},
@@ -77,8 +78,11 @@ VARIANTS = {
     "oblrpo-trust-region": {"lr_trust_region_kl": 1e-3},
     # the defaults with the step's KL measured on 2 of its completions (lr_trust_region_sample_size)
     "oblrpo-kl-sample-2": {"lr_trust_region_sample_size": 2},
-    # the defaults with the step's KL measured on every 4th step (lr_trust_region_measure_steps; time ≥ 4 steps)
+    # the step's KL measured on every 4th step (lr_trust_region_measure_steps; time ≥ 4 steps): the defaults since
+    # 2026-11-27, named apart for the run that compared it with every step
     "oblrpo-every4": {"lr_trust_region_measure_steps": 4},
+    # the step's KL measured on every step, the defaults before 2026-11-27
+    "oblrpo-every-step": {"lr_trust_region_measure_steps": 1},
 }
 # OBLR-PO's own phases, timed inside each step (seconds a step): the trust region's measuring forward and the weights
 PHASES = {"step_kl": ("oblr_trl.training.step_kl", "StepKLRecorder", "after_step"),

@@ -153,7 +153,8 @@ BACKEND_MATRIX = [
     {"baseline_weights": "logit", "snr_estimator": "cross_step", "num_iterations": 1, "tie_word_embeddings": False,
      "max_grad_norm": 0.0, "lr_trust_region_kl": 1e-4, "lr_trust_region_mode": "cap"},
     {"baseline_weights": "exact", "snr_estimator": "per_sample", "num_iterations": 2, "tie_word_embeddings": True,
-     "max_grad_norm": CLIP, "lr_trust_region_kl": 1e-2, "lr_trust_region_mode": "target"},
+     "max_grad_norm": CLIP, "lr_trust_region_kl": 1e-2, "lr_trust_region_mode": "target",
+     "lr_trust_region_measure_steps": 2},  # every other step measured: the cadence decided alike on every process
     # the KL measured on 3 of the step's 8 completions: the same draw, whichever process holds each row
     {"baseline_weights": "logit", "snr_estimator": "cross_step", "num_iterations": 1, "tie_word_embeddings": False,
      "max_grad_norm": 0.0, "lr_trust_region_kl": 1e-4, "lr_trust_region_mode": "cap", "lr_trust_region_sample_size": 3},
@@ -168,6 +169,8 @@ def backend_case_id(case: dict) -> str:
     trust_region = [f"trust_region_{case['lr_trust_region_mode']}"] if case.get("lr_trust_region_kl") else []
     if case.get("lr_trust_region_sample_size"):
         trust_region.append(f"kl_sample{case['lr_trust_region_sample_size']}")
+    if case.get("lr_trust_region_measure_steps"):
+        trust_region.append(f"kl_every{case['lr_trust_region_measure_steps']}")
     groups = [f"groups_of_{case['num_generations']}_{case['reward']}"] if case.get("reward") else []
     return "-".join([case["baseline_weights"], case["snr_estimator"], f"iterations{case['num_iterations']}",
                      "tied" if case["tie_word_embeddings"] else "untied", "clipped" if case["max_grad_norm"] else "unclipped",

@@ -113,6 +113,8 @@ def run_case(case: dict, output_dir: str) -> dict:
         lr_trust_region_kl=case.get("lr_trust_region_kl"),
         lr_trust_region_mode=case.get("lr_trust_region_mode", "cap"),
         lr_trust_region_sample_size=case.get("lr_trust_region_sample_size"),
+        # every step measured unless a case says: the measurement in each layout is what the cases compare
+        lr_trust_region_measure_steps=case.get("lr_trust_region_measure_steps", 1),
         seed=0,
         **fsdp,
     )

@@ -316,9 +316,10 @@ def test_a_cached_run_of_the_defaults_is_rerun_when_their_trust_region_changes(t
     assert current(cached("every4", overrides={"lr_trust_region_measure_steps": 4}, lr_trust_region_kl=default),
                    {"overrides": {"lr_trust_region_measure_steps": 4}})
     assert current(cached("grpo", method="grpo", overrides=None), {"method": "grpo", "overrides": None})
-    explicit = cached("explicit", method="cap", overrides={"lr_trust_region_kl": 0.4})
-    assert current(explicit, {"overrides": {"lr_trust_region_kl": 0.4}})
-    assert not current(explicit, {"overrides": {"lr_trust_region_kl": default}})
+    every = {"lr_trust_region_measure_steps": 1}
+    explicit = cached("explicit", method="cap", overrides={"lr_trust_region_kl": 0.4, **every})
+    assert current(explicit, {"overrides": {"lr_trust_region_kl": 0.4, **every}})
+    assert not current(explicit, {"overrides": {"lr_trust_region_kl": default, **every}})
 
 
 def test_the_grid_reports_the_defaults_from_the_trust_region_runs_that_are_them(tmp_path):

@@ -346,8 +346,8 @@ def test_the_trust_region_sets_the_rate_the_optimizer_uses(make_trainer):
 
 def test_a_step_without_a_gradient_is_logged_but_does_not_change_the_curvature(make_trainer):
     """From step 2 on every group scores alike, so the gradient is zero: Adam's momentum still moves the policy (its
-    KL is logged) but by far less than a gradient step of the same rate, so the curvature, and with it the rate the
-    rule allows, stays what step 1 measured."""
+    KL is logged, every step measured) but by far less than a gradient step of the same rate, so the curvature, and
+    with it the rate the rule allows, stays what step 1 measured."""
     from conftest import digit_fraction_reward
 
     trainer = None
@@ -358,7 +358,7 @@ def test_a_step_without_a_gradient_is_logged_but_does_not_change_the_curvature(m
         return [1.0] * len(completions)
 
     trainer = make_trainer(reward_funcs=[rewards_vary_on_step_one_only], lr_trust_region_kl=1e-3, max_steps=4,
-                           use_snr_lr=False, lr_scheduler_type="constant")
+                           use_snr_lr=False, lr_scheduler_type="constant", lr_trust_region_measure_steps=1)
     trainer.train()
     logged = [h for h in trainer.state.log_history if "loss" in h]
     assert logged[0]["grad_norm"] > 0 and all(h["grad_norm"] == 0 for h in logged[1:])
@@ -441,7 +441,7 @@ def test_a_sample_size_measures_the_step_on_that_many_completions(make_trainer):
         recorder.token_log_probs, recorder.after_step = count, measured_step
         return trainer
 
-    common = dict(max_steps=3, lr_scheduler_type="constant", use_snr_lr=False)
+    common = dict(max_steps=3, lr_scheduler_type="constant", use_snr_lr=False, lr_trust_region_measure_steps=1)
     default = counting(make_trainer(**common))
     assert default.args.lr_trust_region_sample_size == 8
     default.train()
@@ -484,7 +484,7 @@ def test_resume_restores_the_trust_region(make_trainer, tmp_path):
     from test_scaling import StopAt
 
     common = dict(max_steps=5, save_strategy="steps", save_steps=2, lr_trust_region_kl=1e-3, use_snr_lr=False,
-                  lr_scheduler_type="constant")
+                  lr_scheduler_type="constant", lr_trust_region_measure_steps=1)  # k > 1: the recorder's own test
     straight = make_trainer(output_dir=str(tmp_path / "straight"), **common)
     straight.train()
     first = make_trainer(output_dir=str(tmp_path / "split"), callbacks=[StopAt(2)], **common)

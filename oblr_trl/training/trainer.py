@@ -211,7 +211,8 @@ class OBLRPOTrainer(GRPOTrainer):
                 lambda stats: self.accelerator.reduce(stats, reduction="sum"),
                 sample_size=None if self._is_vlm else args.lr_trust_region_sample_size,
                 gather=self.accelerator.gather, process_index=self.accelerator.process_index, seed=args.seed,
-                measure_every=args.lr_trust_region_measure_steps,
+                # log_step_kl alone logs each step's KL: the cadence is the trust region's
+                measure_every=1 if rule is None else args.lr_trust_region_measure_steps,
             )
         self.step_control = OptimizerStepControl(
             self.accelerator, self._metrics["train"],
