@@ -76,8 +76,8 @@ VARIANTS = {
     # the defaults without the trust region's rule, measuring each step's KL (one no-grad forward a step)
     "oblrpo-step-kl": {"lr_trust_region_kl": None, "log_step_kl": True},
     "oblrpo-trust-region": {"lr_trust_region_kl": 1e-3},
-    # the defaults with the step's KL measured on 2 of its completions (lr_trust_region_sample_size)
-    "oblrpo-kl-sample-2": {"lr_trust_region_sample_size": 2},
+    # the step's KL measured on 2 of its completions (lr_trust_region_sample_size), every step
+    "oblrpo-kl-sample-2": {"lr_trust_region_sample_size": 2, "lr_trust_region_measure_steps": 1},
     # the step's KL measured on every 4th step (lr_trust_region_measure_steps; time ≥ 4 steps): the defaults since
     # 2026-11-27, named apart for the run that compared it with every step
     "oblrpo-every4": {"lr_trust_region_measure_steps": 4},

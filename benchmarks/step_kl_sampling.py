@@ -56,9 +56,10 @@ def record_completion_kls(args) -> tuple[list[list[dict]], list[float]]:
 
     from oblr_trl.tasks import TaskOptions, load_task
 
+    # every step measured whole: the replays draw their samples and cadences from all of it
     config = dict(PRESET, output_dir=str(Path(args.output_dir) / "runs" / args.name), max_steps=args.steps,
                   max_completion_length=args.max_completion_length, logging_steps=1, save_strategy="no",
-                  report_to=[], seed=args.seed, **parse_overrides(args.overrides))
+                  report_to=[], seed=args.seed, lr_trust_region_measure_steps=1, **parse_overrides(args.overrides))
     task = load_task("arithmetic", "train", TaskOptions(num_problems=200, seed=args.seed))
     reward = [text_hash_parity_reward] if args.reward == "hash" else None
     trainer = build_trainer(args.model, {}, config, None, task, reward_funcs=reward)
