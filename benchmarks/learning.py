@@ -216,7 +216,7 @@ def graded_now(path: Path) -> bool:
 def recorded_trust_region(run: dict) -> tuple[float | None, int | None]:
     """The δ of the trust region a run used and every how many steps it measured the KL (None without one). Runs
     recorded before 2026-11-26 carry no δ: their overrides say, and without one they ran without a trust region, the
-    default then; runs recorded before 2026-11-27 carry no cadence: their overrides say, else every step."""
+    default then; runs recorded before the end of 2026-11-26 carry no cadence: their overrides say, else every step."""
     kl = run["lr_trust_region_kl"] if "lr_trust_region_kl" in run else (run.get("overrides") or {}).get("lr_trust_region_kl")
     if kl is None:
         return None, None

@@ -79,9 +79,9 @@ VARIANTS = {
     # the step's KL measured on 2 of its completions (lr_trust_region_sample_size), every step
     "oblrpo-kl-sample-2": {"lr_trust_region_sample_size": 2, "lr_trust_region_measure_steps": 1},
     # the step's KL measured on every 4th step (lr_trust_region_measure_steps; time ≥ 4 steps): the defaults since
-    # 2026-11-27, named apart for the run that compared it with every step
+    # the end of 2026-11-26, named apart for the run that compared it with every step
     "oblrpo-every4": {"lr_trust_region_measure_steps": 4},
-    # the step's KL measured on every step, the defaults before 2026-11-27
+    # the step's KL measured on every step, the defaults until the end of 2026-11-26
     "oblrpo-every-step": {"lr_trust_region_measure_steps": 1},
 }
 # OBLR-PO's own phases, timed inside each step (seconds a step): the trust region's measuring forward and the weights
