@@ -217,11 +217,11 @@ def recorded_trust_region(run: dict) -> tuple[float | None, int | None]:
     """The δ of the trust region a run used and every how many steps it measured the KL (None without one). Runs
     recorded before 2026-11-26 carry no δ: their overrides say, and without one they ran without a trust region, the
     default then; runs recorded before the end of 2026-11-26 carry no cadence: their overrides say, else every step."""
-    kl = run["lr_trust_region_kl"] if "lr_trust_region_kl" in run else (run.get("overrides") or {}).get("lr_trust_region_kl")
+    overrides = run.get("overrides") or {}
+    kl = run.get("lr_trust_region_kl", overrides.get("lr_trust_region_kl"))
     if kl is None:
         return None, None
-    return kl, run.get("lr_trust_region_measure_steps",
-                       (run.get("overrides") or {}).get("lr_trust_region_measure_steps", 1))
+    return kl, run.get("lr_trust_region_measure_steps", overrides.get("lr_trust_region_measure_steps", 1))
 
 
 def requested_trust_region(spec: dict) -> tuple[float | None, int | None]:

@@ -324,7 +324,7 @@ def test_a_cached_run_of_the_defaults_is_rerun_when_their_trust_region_changes(t
 
 def test_the_grid_reports_the_defaults_from_the_trust_region_runs_that_are_them(tmp_path):
     """Where a grid's δ, form and measuring cadence are OBLRPOConfig's defaults, `oblrpo` in the summary is that
-    method's cells (marked as the same runs); where δ differs (a ± b's 0.4), `oblrpo` is absent rather than borrowed."""
+    method's cells (marked as the same runs); where δ differs (a ± b's 0.4), `oblrpo` is absent, not borrowed."""
     sys.path.insert(0, str(BENCHMARKS))
     from stability import A_PLUS_B, A_PLUS_MINUS_B, SMOLLM2_METHODS, defaults_twin, smollm2_grid
 

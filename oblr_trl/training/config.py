@@ -172,19 +172,20 @@ class OBLRPOConfig(OBLRPOOptions, GRPOConfig):  # this base order keeps GRPOConf
         lr_trust_region_kl (`float` or `None`, *optional*, defaults to `0.01`):
             Target δ of the mean per-token KL(π_t ‖ π_{t+1}) one optimizer step may move the policy by. After a step
             (every `lr_trust_region_measure_steps`-th) the KL is measured on the step's completions (one no-grad
-            forward, k3 estimator on the sampled tokens) and the curvature c = KL/lr² smoothed; the next step's rate is the one that moves the policy by
-            δ, sqrt(δ/ĉ), used as `lr_trust_region_mode` says. Until a step has moved the policy, the step is a probe
-            at `lr_trust_region_min_ratio` × the base rate (Adam's first step is its largest). A step whose gradient
-            is zero (every group scored alike) moves the policy by Adam's momentum only: its KL is logged but not
-            folded into the curvature, which it would understate. It composes with the rest as
-            lr = scheduled · f_SNR · g_TR: the schedule (warm-up included) and the SNR factor set the base rate, the
-            trust-region factor g_TR is computed on it; gradient clipping acts on the gradient before (the KL measures
-            the clipped step); the curvature is saved in checkpoints and restored on resume; the KL is summed over
-            every process's tokens; under FSDP2 and DeepSpeed the measuring forward runs on every process like a
-            training forward. The default, 0.01 in the `"cap"` form, only ever lowers the rate: on SmolLM2 sums it was
-            level with GRPO at GRPO's best rate and held every rate up to 10× it, where GRPO collapsed on 2 of 5
-            seeds; it costs one no-grad forward of the step's completions (1.18× GRPO's step time on 2 CPU cores;
-            docs/trust_region.md). `None`: no trust region and no measuring forward (TRL's step).
+            forward, k3 estimator on the sampled tokens) and the curvature c = KL/lr² smoothed; the next step's rate
+            is the one that moves the policy by δ, sqrt(δ/ĉ), used as `lr_trust_region_mode` says. Until a step has
+            moved the policy, the step is a probe at `lr_trust_region_min_ratio` × the base rate (Adam's first step is
+            its largest). A step whose gradient is zero (every group scored alike) moves the policy by Adam's momentum
+            only: its KL is logged but not folded into the curvature, which it would understate. It composes with the
+            rest as lr = scheduled · f_SNR · g_TR: the schedule (warm-up included) and the SNR factor set the base
+            rate, the trust-region factor g_TR is computed on it; gradient clipping acts on the gradient before (the
+            KL measures the clipped step); the curvature is saved in checkpoints and restored on resume; the KL is
+            summed over every process's tokens; under FSDP2 and DeepSpeed the measuring forward runs on every process
+            like a training forward. The default, 0.01 in the `"cap"` form, only ever lowers the rate: on SmolLM2 sums
+            it was level with GRPO at GRPO's best rate and held every rate up to 10× it, where GRPO collapsed on 2 of
+            5 seeds; it costs one no-grad forward of the step's completions every 4th step (1.03× GRPO's step time,
+            1.04× its trainer part on 2 CPU cores; docs/trust_region.md). `None`: no trust region and no measuring
+            forward (TRL's step).
         lr_trust_region_mode (`str`, *optional*, defaults to `"cap"`):
             `"cap"`: lr = min(scheduled · f_SNR, trust-region rate) — the configured rate becomes a ceiling.
             `"target"`: the rate follows δ both ways within [`lr_trust_region_min_ratio`,

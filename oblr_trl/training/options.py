@@ -172,12 +172,12 @@ class OBLRPOOptions:
         default=0.01,
         metadata={
             "help": "Target δ of the mean per-token KL(π_t ‖ π_{t+1}) one optimizer step may move the policy by, "
-            "measured after a step on its completions (every lr_trust_region_measure_steps-th step); the next step's rate is the one the smoothed "
-            "curvature KL/lr² says gives δ (see lr_trust_region_mode); until a step has moved the policy, the step is "
-            "a probe at lr_trust_region_min_ratio × the base rate; a step with a zero gradient (every group scored "
-            "alike) moves only by momentum and is not measured. The default 0.01 in the 'cap' form only ever lowers "
-            "the rate (measured: level with GRPO at its best rate, 10× it held; docs/trust_region.md). None: no trust "
-            "region and no measuring forward."
+            "measured after a step on its completions (every lr_trust_region_measure_steps-th step); the next step's "
+            "rate is the one the smoothed curvature KL/lr² says gives δ (see lr_trust_region_mode); until a step has "
+            "moved the policy, the step is a probe at lr_trust_region_min_ratio × the base rate; a step with a zero "
+            "gradient (every group scored alike) moves only by momentum and is not measured. The default 0.01 in the "
+            "'cap' form only ever lowers the rate (measured: level with GRPO at its best rate, 10× it held; "
+            "docs/trust_region.md). None: no trust region and no measuring forward."
         },
     )
     lr_trust_region_mode: str = field(
