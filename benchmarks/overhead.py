@@ -134,6 +134,9 @@ def parse_args(argv=None):
     parser.add_argument("--output_dir", default=str(RESULTS / "overhead"))
     parser.add_argument("--resume", action="store_true",
                         help="reuse the runs already recorded in <output_dir>/<name>_runs.jsonl; run only the others")
+    parser.add_argument("--recorded_only", action="store_true",
+                        help="start no run: report the repeats whose runs are all recorded in <name>_runs.jsonl (a "
+                             "benchmark the time limit stopped; implies --resume)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -393,6 +396,15 @@ def recorded_runs(path: Path, specs: list[dict]) -> dict[str, dict]:
     return {r["key"]: r["result"] for r in records if r["key"] in wanted}
 
 
+def complete_repeats(specs: list[dict], done: dict[str, dict]) -> int:
+    """How many repeats, counted from the first, have every run recorded in ``done``."""
+    repeats = 0
+    while any(spec["repeat"] == repeats for spec in specs) and all(
+            run_key(spec) in done for spec in specs if spec["repeat"] == repeats):
+        repeats += 1
+    return repeats
+
+
 def interval(row: dict, key: str) -> str:
     return "[{:.3f}, {:.3f}]".format(*row.get(key, [float("nan")] * 2))
 
@@ -404,7 +416,7 @@ def main(argv=None):
     overrides = parse_overrides(args.overrides)
     output_dir = Path(args.output_dir)
     preset = PRESETS[args.preset]
-    model = random_model.resolve(args.model or preset["model"], output_dir)
+    model = random_model.resolve(args.model or preset["model"], output_dir, build=not args.recorded_only)
     length = args.max_completion_length or preset.get("max_completion_length", 24)
     specs = [
         {"preset": args.preset, "model": model, "overrides": overrides, "variant": variant, "repeat": repeat,
@@ -419,8 +431,13 @@ def main(argv=None):
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                     "--nproc_per_node", str(args.fsdp2_cpu_processes)]
     runs_log = output_dir / f"{args.name}_runs.jsonl"
-    done = recorded_runs(runs_log, specs) if args.resume else {}
-    if not args.resume:
+    done = recorded_runs(runs_log, specs) if args.resume or args.recorded_only else {}
+    if args.recorded_only:
+        args.repeats = complete_repeats(specs, done)
+        if not args.repeats:
+            raise SystemExit(f"{runs_log}: no repeat has all of its runs recorded")
+        specs = [spec for spec in specs if spec["repeat"] < args.repeats]
+    elif not args.resume:
         runs_log.unlink(missing_ok=True)
     todo = [spec for spec in specs if run_key(spec) not in done]
     fresh = run_in_subprocesses(__file__, todo, "overhead runs", launcher=launcher,

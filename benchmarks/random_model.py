@@ -30,7 +30,7 @@ SHAPES = {  # (architecture, shape)
 }
 
 
-def build(shape: str, tokenizer_path: str, output: str, seed: int = 0) -> str:
+def build_model(shape: str, tokenizer_path: str, output: str, seed: int = 0) -> str:
     """Save a randomly initialised bf16 model of ``shape`` with the tokenizer at ``tokenizer_path`` to ``output``."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Qwen3Config
@@ -50,18 +50,18 @@ def build(shape: str, tokenizer_path: str, output: str, seed: int = 0) -> str:
     return output
 
 
-def resolve(model: str, output_dir: Path) -> str:
+def resolve(model: str, output_dir: Path, build: bool = True) -> str:
     """``random:<shape>`` as a folder holding a randomly initialised model of that shape with the built-in SmolLM2
-    tokenizer (built once, under ``output_dir/runs``; ``--output`` can put one there with another tokenizer);
-    anything else as it is."""
+    tokenizer (built once, under ``output_dir/runs``, unless ``build`` is false; ``--output`` can put one there with
+    another tokenizer); anything else as it is."""
     if not model.startswith("random:"):
         return model
     from oblr_trl.training.models import resolve_model
 
     shape = model[len("random:"):]
     folder = Path(output_dir) / "runs" / f"random-{shape}"
-    if not (folder / "config.json").exists():
-        build(shape, resolve_model("builtin:smollm2-135m-instruct"), str(folder))
+    if build and not (folder / "config.json").exists():
+        build_model(shape, resolve_model("builtin:smollm2-135m-instruct"), str(folder))
     return str(folder)
 
 
@@ -76,7 +76,7 @@ def main(argv=None) -> int:
 
     from oblr_trl.training.models import resolve_model
 
-    build(args.shape, resolve_model(args.tokenizer, option="--tokenizer"), args.output, args.seed)
+    build_model(args.shape, resolve_model(args.tokenizer, option="--tokenizer"), args.output, args.seed)
     return 0
 
 

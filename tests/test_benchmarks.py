@@ -74,6 +74,14 @@ def test_overhead_resume_reuses_the_recorded_runs_and_runs_only_the_missing_ones
                                                                             ("oblrpo", 1)]
     reused = {(r["result"]["variant"], r["result"]["repeat"]): r["result"] for r in first}
     assert all(run_ == reused[run_["variant"], run_["repeat"]] for run_ in results["runs"] if run_["repeat"] == 0)
+    # a benchmark stopped inside repeat 2: only the repeats with every run recorded are reported, and none is run
+    log.write_text(log.read_text() + json.dumps({"key": records[0]["key"].replace('"repeat": 0', '"repeat": 2')
+                                                 .replace('"seed": 0', '"seed": 2'), "result": first[0]["result"]})
+                   + "\n")
+    run("overhead.py", "--variants", "grpo", "oblrpo", "--repeats", "3", "--recorded_only", *common)
+    assert len(log.read_text().splitlines()) == 5
+    results = json.loads((tmp_path / "overhead.json").read_text())
+    assert results["arguments"]["repeats"] == 2 and len(results["runs"]) == 4
     run("overhead.py", "--variants", "grpo", "oblrpo", "--repeats", "1", *common)  # without --resume: a fresh log
     assert len(log.read_text().splitlines()) == 2
 
