@@ -81,6 +81,8 @@ VARIANTS = {
     # the step's KL measured on every 4th step (lr_trust_region_measure_steps; time ≥ 4 steps): the defaults since
     # the end of 2026-11-26, named apart for the run that compared it with every step
     "oblrpo-every4": {"lr_trust_region_measure_steps": 4},
+    # every 8th step: the candidate that would halve the defaults' measuring forwards (time ≥ 16 steps)
+    "oblrpo-every8": {"lr_trust_region_measure_steps": 8},
     # the step's KL measured on every step, the defaults until the end of 2026-11-26
     "oblrpo-every-step": {"lr_trust_region_measure_steps": 1},
 }
