@@ -29,7 +29,8 @@ completion (the parity of a hash of its text), so that every group carries a sig
 
 Each run's result is appended to ``<name>_runs.jsonl`` beside the results as it finishes; ``--resume`` reuses the
 runs recorded there (same preset, model, length and steps) and runs only the missing ones, so that a run cut short (a
-lent GPU's time limit) continues where it stopped.
+lent GPU's time limit) continues where it stopped; ``--recorded_only`` starts no run and reports the repeats whose runs
+all finished.
 
 ``--fsdp2_cpu_processes N`` runs every variant (GRPO included) under the same FSDP2 wrapping over N CPU processes
 (torchrun, gloo, accelerate's own `fsdp2_prepare_model`; `oblr_trl.testing.allow_fsdp_on_cpu` lifts accelerate's
