@@ -49,11 +49,11 @@ overhead() {
     local name=$1 left=0
     shift
     [[ -n "${UNTIL:-}" ]] && left=$(( UNTIL - $(date +%s) - 45 )) && (( left < 1 )) && left=1
-    # shellcheck disable=SC2086
-    timeout "$left" $py benchmarks/overhead.py --preset gpu "$@" ${OVERHEAD_ARGS:-} --repeats "${REPEATS:-2}" --steps "${STEPS:-4}" \
-        --name "$name" --output_dir "$out" ${RESUME:+--resume} 2>&1 | grep -v "it/s]" | tee -a "$log" \
-        || $py benchmarks/overhead.py --preset gpu "$@" ${OVERHEAD_ARGS:-} --repeats "${REPEATS:-2}" --steps "${STEPS:-4}" \
-        --name "$name" --output_dir "$out" --recorded_only 2>&1 | tee -a "$log"
+    # shellcheck disable=SC2206
+    local command=($py benchmarks/overhead.py --preset gpu "$@" ${OVERHEAD_ARGS:-} --repeats "${REPEATS:-2}"
+                   --steps "${STEPS:-4}" --name "$name" --output_dir "$out")
+    timeout "$left" "${command[@]}" ${RESUME:+--resume} 2>&1 | grep -v "it/s]" | tee -a "$log" \
+        || "${command[@]}" --recorded_only 2>&1 | tee -a "$log"
 }
 if [[ "$stages" == *" overhead "* ]]; then
     stamp overhead
