@@ -66,7 +66,7 @@ from common import (  # noqa: E402
 
 VARIANTS = {
     "grpo": None,  # TRL's GRPOTrainer with GRPOConfig defaults
-    # OBLR-PO defaults: logit weights + SNR learning rate + the trust region's cap (its KL forward every 4th step)
+    # OBLR-PO defaults: logit weights + SNR learning rate + the trust region's cap (its KL forward every 8th step)
     "oblrpo": {},
     "oblrpo-no-trust": {"lr_trust_region_kl": None},  # the defaults before 2026-11-26
     "oblrpo-no-snr": {"use_snr_lr": False},
@@ -79,10 +79,11 @@ VARIANTS = {
     "oblrpo-trust-region": {"lr_trust_region_kl": 1e-3},
     # the step's KL measured on 2 of its completions (lr_trust_region_sample_size), every step
     "oblrpo-kl-sample-2": {"lr_trust_region_sample_size": 2, "lr_trust_region_measure_steps": 1},
-    # the step's KL measured on every 4th step (lr_trust_region_measure_steps; time ≥ 4 steps): the defaults since
-    # the end of 2026-11-26, named apart for the run that compared it with every step
+    # the step's KL measured on every 4th step (lr_trust_region_measure_steps; time ≥ 4 steps): the defaults from
+    # the end of 2026-11-26 to 2026-11-27
     "oblrpo-every4": {"lr_trust_region_measure_steps": 4},
-    # every 8th step: the candidate that would halve the defaults' measuring forwards (time ≥ 16 steps)
+    # every 8th step (time ≥ 16 steps, so that the window holds the long-run share of measured steps): the defaults
+    # since 2026-11-27, named apart for runs that compare cadences
     "oblrpo-every8": {"lr_trust_region_measure_steps": 8},
     # the step's KL measured on every step, the defaults until the end of 2026-11-26
     "oblrpo-every-step": {"lr_trust_region_measure_steps": 1},

@@ -342,7 +342,7 @@ def test_the_grid_reports_the_defaults_from_the_trust_region_runs_that_are_them(
     overrides = SMOLLM2_METHODS[twin][0]
     assert overrides["lr_trust_region_mode"] == OBLRPOConfig.lr_trust_region_mode
     assert overrides.get("lr_trust_region_measure_steps", 1) == OBLRPOConfig.lr_trust_region_measure_steps
-    assert twin in ("oblrpo-trust-cap", "oblrpo-trust-cap-every4")
+    assert twin in ("oblrpo-trust-cap", "oblrpo-trust-cap-every4", "oblrpo-trust-cap-every8")
 
     def runs(problems, method):
         made = [{"method": "initial", "accuracy": 0.5, "problems": problems["title"], "learning_rate": 0.0, "seed": 0}]

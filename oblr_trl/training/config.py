@@ -183,9 +183,9 @@ class OBLRPOConfig(OBLRPOOptions, GRPOConfig):  # this base order keeps GRPOConf
             summed over every process's tokens; under FSDP2 and DeepSpeed the measuring forward runs on every process
             like a training forward. The default, 0.01 in the `"cap"` form, only ever lowers the rate: on SmolLM2 sums
             it was level with GRPO at GRPO's best rate and held every rate up to 10× it, where GRPO collapsed on 2 of
-            5 seeds; it costs one no-grad forward of the step's completions every 4th step (1.03× GRPO's step time,
-            1.04× its trainer part on 2 CPU cores; docs/trust_region.md). `None`: no trust region and no measuring
-            forward (TRL's step).
+            5 seeds; it costs one no-grad forward of at most 8 of the step's completions every 8th step
+            (docs/trust_region.md has the measured cost). `None`: no trust region and no measuring forward (TRL's
+            step).
         lr_trust_region_mode (`str`, *optional*, defaults to `"cap"`):
             `"cap"`: lr = min(scheduled · f_SNR, trust-region rate) — the configured rate becomes a ceiling.
             `"target"`: the rate follows δ both ways within [`lr_trust_region_min_ratio`,
@@ -208,13 +208,14 @@ class OBLRPOConfig(OBLRPOOptions, GRPOConfig):  # this base order keeps GRPOConf
             the policy's expected KL as those were. Per-completion KLs are heavy-tailed (one completion often holds
             most of a step's KL): smaller samples are noisy, measured in docs/trust_region.md. `None`: every
             completion. Vision-language models always measure every completion.
-        lr_trust_region_measure_steps (`int`, *optional*, defaults to `4`):
+        lr_trust_region_measure_steps (`int`, *optional*, defaults to `8`):
             Measure the step KL on the first step and then on every this-many-th optimizer step with a gradient
             after the last one measured (1: every step). The trust region sizes the steps in between with the
             curvature it last measured: k saves k − 1 of every k measuring forwards, and a jump of curvature is seen
-            up to k − 1 steps later. A step whose gradient is zero is not measured when k > 1. The default 4 held
-            every cell of the a + b grid (1e-6 … 3e-4, 5 seeds) as measuring every step did, for about a quarter of
-            the measuring forwards (docs/trust_region.md). `log_step_kl` without a trust region measures every step.
+            up to k − 1 steps later. A step whose gradient is zero is not measured when k > 1. The default 8 held
+            every cell of the a + b grid (1e-6 … 3e-4, 5 seeds) as measuring every 4th step or every step did, for
+            an eighth of the measuring forwards (docs/trust_region.md). `log_step_kl` without a trust region
+            measures every step.
         log_step_kl (`bool`, *optional*, defaults to `False`):
             Measure and log each step's KL (`oblr/step_kl`) without a trust region (one no-grad forward of the
             step's completions). Always on with `lr_trust_region_kl`.
