@@ -10,6 +10,12 @@ paid on some steps only, such as the trust region measuring every k-th step, cou
 the runs' records); per variant, the median over runs, and the paired ratio to GRPO in each repeat: its mean with a 95 % bootstrap interval
 over repeats (and min–max). Peak memory: resident set size (CPU, per process) or peak allocated (GPU).
 
+Between processes the machine's speed drifts: on 2 shared CPU cores the variant run first in a repeat and the one run
+last differed by up to ±15 % with nothing changed, which the alternating order cancels from the mean but not from the
+interval. ``--interleave`` removes it: each repeat is one process in which every variant's trainer trains in its own
+thread and they take one optimizer step each in turn (`LockStep`; the order reversed every round), so each variant's
+steps are timed seconds, not minutes, apart from GRPO's. Peak memory is then not measured (one process).
+
 Generation is timed inside every step (TRL's `_generate_single_turn`, synchronised on a GPU), so each step splits into
 generation and the **trainer's own part** (step minus generation): what a vLLM user pays, since vLLM makes generation
 several times cheaper than transformers' `generate` and would leave the trainer's part as most of the step. Both are
@@ -19,6 +25,7 @@ proxy off the logits) counts in the trainer's part.
     python benchmarks/overhead.py                       # quickstart size on CPU
     python benchmarks/overhead.py --max_completion_length 128 --name overhead_long
     python benchmarks/overhead.py --fsdp2_cpu_processes 2 --variants grpo oblrpo --name overhead_fsdp2_cpu
+    python benchmarks/overhead.py --interleave --variants grpo oblrpo oblrpo-no-trust --name overhead_interleaved
     python benchmarks/overhead.py --preset gpu --name overhead_gpu   # one GPU, nothing from the Hub (below)
     python benchmarks/overhead.py --preset gpu-vllm     # Qwen3-4B-Base, LoRA, vLLM colocate (needs the Hub and vLLM)
 
@@ -141,6 +148,10 @@ def parse_args(argv=None):
     parser.add_argument("--recorded_only", action="store_true",
                         help="start no run: report the repeats whose runs are all recorded in <name>_runs.jsonl (a "
                              "benchmark the time limit stopped; implies --resume)")
+    parser.add_argument("--interleave", action="store_true",
+                        help="train every variant of a repeat in one process, one optimizer step each in turn (the "
+                             "order reversed every round), so that the machine's drift between runs cancels from "
+                             "the paired ratios; peak memory is then not measured (the variants share the process)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -249,9 +260,90 @@ def naive_exact_trainer():
     return NaiveExact
 
 
-def run_child(spec: dict) -> dict:
-    """One training run of one variant; returns per-step times and peak memory."""
+class LockStep:
+    """Lets trainers that train in threads of one process take one optimizer step at a time, in turn, the order of
+    each round reversed on the next (A B C, C B A, …), so that a drift of the machine's speed — which between
+    processes minutes apart moved paired ratios by ±15 % — reaches every variant alike. A trainer that finished (or
+    failed) leaves the rounds."""
+
+    def __init__(self, names: list[str]):
+        self.names, self.finished = list(names), set()
+        self.round, self.index = 0, 0
+        self.condition = threading.Condition()
+
+    def _current(self) -> str:
+        order = self.names if self.round % 2 == 0 else self.names[::-1]
+        return order[self.index]
+
+    def _advance(self) -> None:
+        while len(self.finished) < len(self.names):
+            self.index += 1
+            if self.index == len(self.names):
+                self.round, self.index = self.round + 1, 0
+            if self._current() not in self.finished:
+                return
+
+    def wait_turn(self, name: str) -> None:
+        with self.condition:
+            self.condition.wait_for(lambda: self._current() == name)
+
+    def pass_turn(self, name: str) -> None:
+        with self.condition:
+            if self._current() == name:
+                self._advance()
+            self.condition.notify_all()
+
+    def leave(self, name: str) -> None:
+        with self.condition:
+            self.finished.add(name)
+            if self._current() == name:
+                self._advance()
+            self.condition.notify_all()
+
+
+def run_child(spec: dict) -> dict | list[dict]:
+    """One training run of one variant, or (``interleave``) of each of ``variants`` in lock step in one process;
+    returns per-step times and peak memory (per variant: none when interleaved, since they share the process)."""
     import torch
+
+    if spec["fsdp2"]:
+        torch.set_num_threads(1)  # one per process: the processes share the machine's cores
+    generation = GenerationTimer()
+    phases = {name: PhaseTimer(*where, generation._sync) for name, where in PHASES.items()}
+    if not spec.get("interleave"):
+        trainer, times = timed_trainer(spec, spec["variant"], generation, phases)
+        with PeakMemory() as memory:
+            trainer.train()
+        return run_result(spec, spec["variant"], trainer, times, memory.peak)
+    variants = spec["variant"].split("+")
+    lock_step = LockStep(variants)
+    trainers = {variant: timed_trainer(spec, variant, generation, phases, lock_step) for variant in variants}
+    failures = []
+
+    def train(variant: str) -> None:
+        try:
+            trainers[variant][0].train()
+        except BaseException as error:  # re-raised below, once every thread has stopped
+            failures.append(error)
+        finally:
+            lock_step.leave(variant)
+
+    threads = [threading.Thread(target=train, args=(variant,)) for variant in variants]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if failures:
+        raise failures[0]
+    return [{**run_result(spec, variant, *trainers[variant], None), "position": position}
+            for position, variant in enumerate(variants)]
+
+
+def timed_trainer(spec: dict, variant: str, generation: GenerationTimer, phases: dict[str, PhaseTimer],
+                  lock_step: LockStep | None = None):
+    """The variant's trainer for ``spec``, with a callback that times each optimizer step, the generation in it and
+    OBLR-PO's phases (and, under ``lock_step``, a step that waits for its turn and passes it on at its end); returns
+    the trainer and the dict its times go to."""
     from transformers import TrainerCallback
 
     from oblr_trl.tasks import TaskOptions, load_task
@@ -268,15 +360,13 @@ def run_child(spec: dict) -> dict:
     length = spec["max_completion_length"]
     reward = {"text_hash_parity_reward": text_hash_parity_reward}.get(preset.get("reward"))
     min_tokens = "min_tokens" if config.get("use_vllm") else "min_new_tokens"  # vLLM's name / transformers'
+    output_dir = spec["output_dir"] if not spec.get("interleave") else str(Path(spec["output_dir"]) / variant)
     common = dict(
-        output_dir=spec["output_dir"], max_steps=spec["warmup_steps"] + spec["steps"], max_completion_length=length,
+        output_dir=output_dir, max_steps=spec["warmup_steps"] + spec["steps"], max_completion_length=length,
         generation_kwargs={min_tokens: length}, logging_steps=1, save_strategy="no", report_to=[],
         seed=spec["seed"], **config,
     )
-    times, generation_times = [], []
-    generation = GenerationTimer()
-    phases = {name: PhaseTimer(*where, generation._sync) for name, where in PHASES.items()}
-    phase_times = {name: [] for name in phases}
+    times = {"step": [], "generation": [], "span": [], **{name: [] for name in phases}}
 
     class StepTimer(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
@@ -286,34 +376,50 @@ def run_child(spec: dict) -> dict:
 
         def on_step_end(self, args, state, control, **kwargs):
             generation._sync()
-            times.append(time.perf_counter() - self.start)
-            generation_times.append(generation.seconds - self.generated)
+            end = time.perf_counter()
+            times["step"].append(end - self.start)
+            times["span"].append([self.start, end])
+            times["generation"].append(generation.seconds - self.generated)
             for name, timer in phases.items():
-                phase_times[name].append(timer.seconds - self.phases[name])
+                times[name].append(timer.seconds - self.phases[name])
+            if lock_step is not None:
+                lock_step.pass_turn(variant)
 
-    trainer = build_trainer(spec["model"], VARIANTS[spec["variant"]], common, preset["peft"], task,
+    trainer = build_trainer(spec["model"], VARIANTS[variant], common, preset["peft"], task,
                             callbacks=[StepTimer()], reward_funcs=reward,
-                            trainer_cls=naive_exact_trainer() if spec["variant"] == "exact-naive" else None)
-    if spec["fsdp2"]:
-        torch.set_num_threads(1)  # one per process: the processes share the machine's cores
-    with PeakMemory() as memory:
-        trainer.train()
-    timed, generating = times[spec["warmup_steps"]:], generation_times[spec["warmup_steps"]:]
+                            trainer_cls=naive_exact_trainer() if variant == "exact-naive" else None)
+    if lock_step is not None:
+        # the turn is taken where the Trainer fetches a step's batches, before it sets the gradient-sync flag of
+        # accelerate's GradientState, which is one object for every trainer of the process
+        fetch = trainer.get_batch_samples
+
+        def get_batch_samples_in_turn(*args, **kwargs):
+            lock_step.wait_turn(variant)
+            return fetch(*args, **kwargs)
+
+        trainer.get_batch_samples = get_batch_samples_in_turn
+    return trainer, times
+
+
+def run_result(spec: dict, variant: str, trainer, times: dict[str, list[float]], peak_memory: int | None) -> dict:
+    warmup = spec["warmup_steps"]
+    timed, generating = times["step"][warmup:], times["generation"][warmup:]
     trainer_part = [step - gen for step, gen in zip(timed, generating, strict=True)]
     # the share of completions whose exact weights were measured (groups with reward spread), over the timed steps
     measured = [log["oblr/weights/measured_frac"] for log in trainer.state.log_history
-                if "oblr/weights/measured_frac" in log][spec["warmup_steps"]:]
+                if "oblr/weights/measured_frac" in log][warmup:]
     return {"weights_measured_frac": statistics.fmean(measured) if measured else None,
-            "variant": spec["variant"], "repeat": spec["repeat"], "position": spec["position"],
+            "variant": variant, "repeat": spec["repeat"], "position": spec["position"],
             "num_generations": trainer.args.num_generations, "processes": trainer.accelerator.num_processes,
             "distributed_type": str(trainer.accelerator.distributed_type), "step_seconds": timed,
+            "step_spans": times["span"][warmup:],  # (start, end) of each timed step on this process's clock
             "generation_seconds": generating, "median_step_seconds": statistics.median(timed),
             "median_generation_seconds": statistics.median(generating),
-            "median_trainer_seconds": statistics.median(trainer_part), "peak_memory_bytes": memory.peak,
+            "median_trainer_seconds": statistics.median(trainer_part), "peak_memory_bytes": peak_memory,
             "mean_step_seconds": statistics.fmean(timed), "mean_generation_seconds": statistics.fmean(generating),
             "mean_trainer_seconds": statistics.fmean(trainer_part),
-            **{f"{statistic}_{name}_seconds": function(seconds[spec["warmup_steps"]:])
-               for name, seconds in phase_times.items()
+            **{f"{statistic}_{name}_seconds": function(times[name][warmup:])
+               for name in PHASES
                for statistic, function in (("median", statistics.median), ("mean", statistics.fmean))}}
 
 
@@ -329,11 +435,11 @@ def summarise(runs: list[dict], variants: list[str]) -> list[dict]:
     rows = []
     for variant, results in by_variant.items():
         medians = [r["mean_step_seconds"] for r in results]  # the median over runs of each run's mean step
-        memory = [r["peak_memory_bytes"] for r in results]
+        memory = [r["peak_memory_bytes"] for r in results if r["peak_memory_bytes"] is not None]  # none interleaved
         measured = [r["weights_measured_frac"] for r in results if r.get("weights_measured_frac") is not None]
         row = {"variant": variant, "median_step_seconds": statistics.median(medians), "min": min(medians),
                "weights_measured_frac": statistics.fmean(measured) if measured else None,
-               "max": max(medians), "peak_memory_mib": statistics.median(memory) / 2**20,
+               "max": max(medians), "peak_memory_mib": statistics.median(memory) / 2**20 if memory else None,
                "median_generation_seconds": statistics.median(r["mean_generation_seconds"] for r in results),
                "median_trainer_seconds": statistics.median(r["mean_trainer_seconds"] for r in results),
                **{f"median_{name}_seconds": statistics.median(r[f"mean_{name}_seconds"] for r in results)
@@ -342,12 +448,15 @@ def summarise(runs: list[dict], variants: list[str]) -> list[dict]:
             def paired(key):
                 return [r[key] / g[key] for r, g in zip(results, reference, strict=True)]
 
-            time_ratios, memory_ratios = paired("mean_step_seconds"), paired("peak_memory_bytes")
+            time_ratios = paired("mean_step_seconds")
             trainer_ratios, generation_ratios = paired("mean_trainer_seconds"), paired("mean_generation_seconds")
+            if memory:
+                memory_ratios = paired("peak_memory_bytes")
+                row |= {"memory_ratio": statistics.median(memory_ratios), "memory_ratio_min": min(memory_ratios),
+                        "memory_ratio_max": max(memory_ratios)}
             row |= {"time_ratio": statistics.median(time_ratios), "time_ratio_min": min(time_ratios),
                     "time_ratio_max": max(time_ratios), "time_ratio_mean": statistics.fmean(time_ratios),
-                    "time_ratio_ci": bootstrap_ci(time_ratios), "memory_ratio": statistics.median(memory_ratios),
-                    "memory_ratio_min": min(memory_ratios), "memory_ratio_max": max(memory_ratios),
+                    "time_ratio_ci": bootstrap_ci(time_ratios),
                     "trainer_ratio_mean": statistics.fmean(trainer_ratios), "trainer_ratio_ci": bootstrap_ci(trainer_ratios),
                     "trainer_ratio_min": min(trainer_ratios), "trainer_ratio_max": max(trainer_ratios),
                     "generation_ratio_mean": statistics.fmean(generation_ratios)}
@@ -415,6 +524,8 @@ def interval(row: dict, key: str) -> str:
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.interleave and args.fsdp2_cpu_processes:
+        raise SystemExit("--interleave trains in one process: it cannot be combined with --fsdp2_cpu_processes")
     if args.child:
         return child_main(run_child, args.child)
     overrides = parse_overrides(args.overrides)
@@ -430,6 +541,10 @@ def main(argv=None):
         for repeat in range(args.repeats)
         for position, variant in enumerate(balanced_order(args.variants, repeat))
     ]
+    if args.interleave:  # one process a repeat, its variants named together in the order of their first round
+        specs = [{**spec, "variant": "+".join(balanced_order(args.variants, repeat)), "position": 0,
+                  "interleave": True, "output_dir": str(output_dir / "runs" / f"interleaved-{repeat}")}
+                 for repeat, spec in enumerate(spec for spec in specs if spec["position"] == 0)]
     launcher = None
     if args.fsdp2_cpu_processes:
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -447,7 +562,7 @@ def main(argv=None):
     fresh = run_in_subprocesses(__file__, todo, "overhead runs", launcher=launcher,
                                 on_result=lambda spec, result: append_run(runs_log, spec, result))
     done |= {run_key(spec): result for spec, result in zip(todo, fresh, strict=True)}
-    runs = [done[run_key(spec)] for spec in specs]
+    runs = [run for spec in specs for run in (done[run_key(spec)] if args.interleave else [done[run_key(spec)]])]
     rows = summarise(runs, args.variants)
     figure = plot(rows, output_dir, args.name)
     config = {**preset["config"], **overrides}
@@ -458,6 +573,8 @@ def main(argv=None):
         f"completions per step, completions fixed at {length} tokens; {args.repeats} repeats "
         f"(order alternating: {' '.join(balanced_order(args.variants, 0))}, then reversed) × {args.steps} timed steps "
         f"(after {args.warmup_steps} warm-up; per run their mean)"
+        + ("; interleaved: each repeat one process in which the variants take one optimizer step each in turn, the "
+           "order reversed every round (peak memory not measured)" if args.interleave else "")
         + (f"; FSDP2 over {args.fsdp2_cpu_processes} CPU processes for every variant" if args.fsdp2_cpu_processes
            else "")
         + (f"; preset overrides `{overrides}`" if overrides else "") + ".\n\n"
@@ -475,7 +592,7 @@ def main(argv=None):
               r.get("trainer_ratio_mean", "—"), interval(r, "trainer_ratio_ci"), r.get("generation_ratio_mean", "—"),
               r["median_step_kl_seconds"], r["median_weights_seconds"],
               "—" if r["weights_measured_frac"] is None else f"{r['weights_measured_frac']:.0%}",
-              r["peak_memory_mib"], r.get("memory_ratio", "—"),
+              "—" if r["peak_memory_mib"] is None else r["peak_memory_mib"], r.get("memory_ratio", "—"),
               f"{r.get('memory_ratio_min', float('nan')):.3f}–{r.get('memory_ratio_max', float('nan')):.3f}"]
              for r in rows],
         )

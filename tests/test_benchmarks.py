@@ -57,6 +57,26 @@ def test_overhead_smoke(saved_tiny_model, tmp_path):
     assert 0 <= summary["exact"]["weights_measured_frac"] <= 1 and summary["oblrpo"]["weights_measured_frac"] is None
 
 
+def test_overhead_interleaved_variants_take_one_step_each_in_turn_in_one_process(saved_tiny_model, tmp_path):
+    """--interleave: the variants of a repeat train in one process, one optimizer step each in turn, the order reversed
+    every round and between repeats; their steps never overlap, and no per-variant memory is claimed."""
+    run("overhead.py", "--interleave", "--model", str(saved_tiny_model), "--variants", "grpo", "oblrpo", "--repeats",
+        "2", "--steps", "3", "--max_completion_length", "3", "--set", "num_generations=4", "--output_dir", str(tmp_path))
+    results = json.loads((tmp_path / "overhead.json").read_text())
+    runs = results["runs"]
+    assert sorted((r["variant"], r["repeat"]) for r in runs) == [("grpo", 0), ("grpo", 1), ("oblrpo", 0), ("oblrpo", 1)]
+    assert all(r["peak_memory_bytes"] is None for r in runs)
+    for repeat, first in ((0, ["grpo", "oblrpo"]), (1, ["oblrpo", "grpo"])):
+        steps = sorted((start, end, r["variant"]) for r in runs if r["repeat"] == repeat for start, end in r["step_spans"])
+        assert all(end <= next_start for (_, end, _), (next_start, _, _) in zip(steps, steps[1:]))
+        # round 0 is the warm-up step; timed rounds 1, 2, 3 go reversed, as first, reversed
+        rounds = [first[::-1], first, first[::-1]]
+        assert [variant for _, _, variant in steps] == [v for order in rounds for v in order]
+    summary = {row["variant"]: row for row in results["summary"]}
+    assert summary["oblrpo"]["trainer_ratio_mean"] > 0 and "memory_ratio" not in summary["oblrpo"]
+    assert summary["oblrpo"]["peak_memory_mib"] is None and (tmp_path / "overhead.png").exists()
+
+
 def test_overhead_resume_reuses_the_recorded_runs_and_runs_only_the_missing_ones(saved_tiny_model, tmp_path):
     """Each run is recorded as it finishes (a lent GPU's time limit may cut the benchmark short); --resume runs only
     what is missing and reports every run."""
