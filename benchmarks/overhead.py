@@ -593,7 +593,7 @@ def main(argv=None):
               r["median_step_kl_seconds"], r["median_weights_seconds"],
               "—" if r["weights_measured_frac"] is None else f"{r['weights_measured_frac']:.0%}",
               "—" if r["peak_memory_mib"] is None else r["peak_memory_mib"], r.get("memory_ratio", "—"),
-              f"{r.get('memory_ratio_min', float('nan')):.3f}–{r.get('memory_ratio_max', float('nan')):.3f}"]
+              f"{r['memory_ratio_min']:.3f}–{r['memory_ratio_max']:.3f}" if "memory_ratio_min" in r else "—"]
              for r in rows],
         )
     )

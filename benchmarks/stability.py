@@ -123,11 +123,18 @@ for _every in (4, 8):
     SMOLLM2_METHODS[f"oblrpo-trust-cap-every{_every}"] = (
         {"lr_trust_region_kl": PROBLEMS_DELTA, "lr_trust_region_mode": "cap", "lr_trust_region_measure_steps": _every},
         TRL_SCHEDULE)
+# issue 40 at the cadence that ships (every 8th step since 2026-11-27): the target form on OBLR-PO's advantages (the
+# candidate default), and the cap on GRPO's (what OBLR-PO adds on top of the trust region)
+for _advantages, _form, _base in (("oblrpo", "target", {}), ("grpo", "cap", GRPO_AS_OBLRPO)):
+    SMOLLM2_METHODS[f"{_advantages}-trust-{_form}-every8"] = (
+        {**_base, "lr_trust_region_kl": PROBLEMS_DELTA, "lr_trust_region_mode": _form, "lr_trust_region_measure_steps": 8},
+        TRL_SCHEDULE)
 # the grid of each problem set (below) is the symmetric one of issue 26: GRPO's best rate ÷10 … ×10, so that a rule
 # which only shrinks the rate loses at the low end what it saves at the high end; runs at other rates are reported
 # beside it, outside the regret
 SMOLLM2 = {"methods": [REFERENCE, "oblrpo", "oblrpo-no-trust", "oblrpo-paper", "grpo-trust-cap", "grpo-trust-target",
-                       "oblrpo-trust-cap", "oblrpo-trust-cap-every4", "oblrpo-trust-cap-every8", "oblrpo-trust-target"],
+                       "oblrpo-trust-cap", "oblrpo-trust-cap-every4", "oblrpo-trust-cap-every8", "oblrpo-trust-target",
+                       "oblrpo-trust-target-every8", "grpo-trust-cap-every8"],
            "seeds": [0, 1, 2, 3, 4], "steps": 40, "jobs": 2}
 # a ± b: GRPO's best rate 1e-4 (the learning benchmark), δ = 0.4 (validation seeds 10, 11: per-step KL spanning 8
 # decades, 4.1 nats a token at step 1 and 1e-10 once every group scores alike; 90th percentile 0.42), both measured
