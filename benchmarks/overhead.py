@@ -296,9 +296,7 @@ class LockStep:
     def leave(self, name: str) -> None:
         with self.condition:
             self.finished.add(name)
-            if self._current() == name:
-                self._advance()
-            self.condition.notify_all()
+        self.pass_turn(name)
 
 
 def run_child(spec: dict) -> dict | list[dict]:
