@@ -27,6 +27,7 @@ proxy off the logits) counts in the trainer's part.
     python benchmarks/overhead.py --fsdp2_cpu_processes 2 --variants grpo oblrpo --name overhead_fsdp2_cpu
     python benchmarks/overhead.py --interleave --variants grpo oblrpo oblrpo-no-trust --name overhead_interleaved
     python benchmarks/overhead.py --preset gpu --name overhead_gpu   # one GPU, nothing from the Hub (below)
+    python benchmarks/overhead.py --preset gpu-lora --name overhead_gpu_lora   # the same under LoRA (rank 32)
     python benchmarks/overhead.py --preset gpu-vllm     # Qwen3-4B-Base, LoRA, vLLM colocate (needs the Hub and vLLM)
 
 The `gpu` preset needs nothing from the Hub: a randomly initialised model of SmolLM2-1.7B's shape with SmolLM2's
@@ -98,6 +99,7 @@ VARIANTS = {
 # OBLR-PO's own phases, timed inside each step (seconds a step): the trust region's measuring forward and the weights
 PHASES = {"step_kl": ("oblr_trl.training.step_kl", "StepKLRecorder", "after_step"),
           "weights": ("oblr_trl.training.completion_weights", "CompletionWeights", "compute")}
+RECIPE_LORA = {"r": 32, "lora_alpha": 64, "target_modules": "all-linear", "task_type": "CAUSAL_LM"}  # the recipes'
 PRESETS = {
     "cpu": {
         "model": "builtin:smollm2-135m-instruct",
@@ -120,10 +122,13 @@ PRESETS = {
         "config": dict(per_device_train_batch_size=16, gradient_accumulation_steps=8, num_generations=8,
                        learning_rate=1e-5, gradient_checkpointing=True, bf16=True, use_vllm=True,
                        vllm_mode="colocate", vllm_gpu_memory_utilization=0.4),
-        "peft": {"r": 32, "lora_alpha": 64, "target_modules": "all-linear", "task_type": "CAUSAL_LM"},
+        "peft": RECIPE_LORA,
         "decoder_layer": "Qwen3DecoderLayer",
     },
 }
+# the gpu preset under LoRA: what most users with one GPU train, and where the exact weights' per-completion norms
+# cover the adapters' parameters only
+PRESETS["gpu-lora"] = {**PRESETS["gpu"], "peft": RECIPE_LORA}
 
 
 def parse_args(argv=None):
