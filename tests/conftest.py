@@ -162,6 +162,10 @@ BACKEND_MATRIX = [
     # the one whose group has no spread must still run as many ghost-norm passes as the other under FSDP2
     {"baseline_weights": "exact", "snr_estimator": "cross_step", "num_iterations": 1, "tie_word_embeddings": True,
      "max_grad_norm": 0.0, "num_generations": 4, "reward": "alike_for_even_b"},
+    # the ghost-norm passes (weights and the per-sample SNR) under non-reentrant gradient checkpointing, which they keep
+    # on: each checkpointed module's input is taken from the backward's recompute, FSDP2 gathering the layer for it
+    {"baseline_weights": "exact", "snr_estimator": "per_sample", "num_iterations": 1, "tie_word_embeddings": True,
+     "max_grad_norm": 0.0, "gradient_checkpointing": True},
 ]
 
 
@@ -172,9 +176,10 @@ def backend_case_id(case: dict) -> str:
     if case.get("lr_trust_region_measure_steps"):
         trust_region.append(f"kl_every{case['lr_trust_region_measure_steps']}")
     groups = [f"groups_of_{case['num_generations']}_{case['reward']}"] if case.get("reward") else []
+    checkpointing = ["checkpointed"] if case.get("gradient_checkpointing") else []
     return "-".join([case["baseline_weights"], case["snr_estimator"], f"iterations{case['num_iterations']}",
                      "tied" if case["tie_word_embeddings"] else "untied", "clipped" if case["max_grad_norm"] else "unclipped",
-                     *trust_region, *groups])
+                     *trust_region, *groups, *checkpointing])
 
 
 @pytest.fixture(scope="session")

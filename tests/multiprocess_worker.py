@@ -103,7 +103,7 @@ def run_case(case: dict, output_dir: str) -> dict:
         save_strategy="no",
         bf16=False,
         use_cpu=True,
-        gradient_checkpointing=False,
+        gradient_checkpointing=case.get("gradient_checkpointing", False),
         snr_warmup_steps=1,
         baseline_weights=case.get("baseline_weights", "logit"),
         snr_estimator=case.get("snr_estimator", "two_batch"),

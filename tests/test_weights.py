@@ -248,3 +248,37 @@ def test_exact_weights_run_under_the_mixed_precision_of_training(make_trainer):
     assert next(trainer.model.parameters()).dtype == torch.float32
     trainer.train()
     assert seen and all(seen)
+
+
+def test_exact_weights_keep_non_reentrant_gradient_checkpointing(make_trainer):
+    """Under non-reentrant checkpointing (transformers' and TRL's default) the ghost-norm pass keeps the layers
+    checkpointed, so that it holds one layer's activations at a time as training does: each decoder layer runs twice
+    in the pass (the forward and the backward's recompute). Reentrant checkpointing cannot be differentiated with
+    `torch.autograd.grad`: the pass switches it off (each layer once). The weights are the same either way."""
+    from oblr_trl import OBLRPOTrainer
+    from oblr_trl.training.completion_weights import CompletionWeights
+
+    def run(reentrant):
+        calls, norms = [], []
+
+        class Counting(CompletionWeights):
+            def grad_sq_norms(self, batch, token_scale):
+                handle = self.policy.model.layers[0].mlp.register_forward_pre_hook(lambda *_: calls.append(1))
+                try:
+                    norms.append(super().grad_sq_norms(batch, token_scale))
+                finally:
+                    handle.remove()
+                return norms[-1]
+
+        class Trainer(OBLRPOTrainer):
+            weights_class = Counting
+
+        trainer = make_trainer(trainer_cls=Trainer, baseline_weights="exact", gradient_checkpointing=True,
+                               gradient_checkpointing_kwargs={"use_reentrant": reentrant}, max_steps=1)
+        trainer.train()
+        assert norms and len(calls) == len(norms) * (1 if reentrant else 2)
+        assert bool(trainer.completion_weights.recomputed_layers()) is not reentrant
+        return norms[0]
+
+    kept, switched_off = run(reentrant=False), run(reentrant=True)
+    assert torch.allclose(kept, switched_off, rtol=1e-5)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 from collections import defaultdict
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -211,6 +212,60 @@ def _hooked_modules(model: nn.Module, embedding: nn.Module, head: nn.Module) -> 
     return modules
 
 
+class _CheckpointedPairs:
+    """Pairs the input and the output gradient of each module inside a gradient-checkpointed layer.
+
+    Under non-reentrant checkpointing a layer's forward keeps none of its activations; the backward recomputes the
+    layer just before it needs them. A module's input is therefore taken from the recompute, not kept from the
+    forward, and its output gradient is hooked on the forward's output (the recomputed graph is never differentiated).
+    The two meet in either order: the gradient of a layer's last module reaches its output before anything of the
+    layer is recomputed (a residual sum keeps nothing to recompute), the others after; whichever comes second adds
+    the module's term. Pairing by module needs one call per module and forward, which the first call checks.
+    """
+
+    def __init__(self, layers: Iterable[nn.Module], hooked: list[nn.Module]):
+        inside = {id(m) for layer in layers for m in layer.modules()}
+        self.modules = {m for m in hooked if id(m) in inside}
+        self.in_backward = False
+        self.calls: dict[nn.Module, int] = defaultdict(int)
+        self.inputs: dict[nn.Module, torch.Tensor] = {}
+        self.grads: dict[nn.Module, torch.Tensor] = {}
+
+    def __contains__(self, module: nn.Module) -> bool:
+        return module in self.modules
+
+    def before_call(self, module: nn.Module, inputs: torch.Tensor, add_sq) -> None:
+        """Before the module runs (a recompute may stop inside the layer's last module, once everything the backward
+        needs is recomputed, so its input is taken before it runs): counts the forward's calls, takes the
+        recompute's input."""
+        if not self.in_backward:
+            self.calls[module] += 1
+            if self.calls[module] > 1:
+                raise NotImplementedError(
+                    f"per-sample gradient norms under gradient checkpointing: {type(module).__name__} runs more than "
+                    "once per forward."
+                )
+        elif module in self.grads:
+            add_sq(module, inputs.detach(), self.grads.pop(module))
+        else:
+            self.inputs[module] = inputs.detach()
+
+    def grad(self, module: nn.Module, grad: torch.Tensor, add_sq) -> None:
+        if module in self.inputs:
+            add_sq(module, self.inputs.pop(module), grad)
+        else:
+            self.grads[module] = grad
+
+    def check_all_paired(self) -> None:
+        """A gradient without a recompute means the layer did not checkpoint after all: never a silent omission."""
+        if self.grads:
+            names = sorted({type(m).__name__ for m in self.grads})
+            raise RuntimeError(
+                f"per-sample gradient norms: {len(self.grads)} modules ({', '.join(names)}) were named checkpointed but "
+                "their layer was not recomputed in the backward (is the model in training mode?)."
+            )
+
+
 def log_likelihood_grad_sq_norms(
     model: nn.Module,
     input_ids: torch.Tensor,
@@ -218,6 +273,7 @@ def log_likelihood_grad_sq_norms(
     logits_to_keep: int,
     token_scale: torch.Tensor,
     temperature: float = 1.0,
+    checkpointed_layers: Iterable[nn.Module] = (),
 ) -> torch.Tensor:
     """‖∇_θ Σ_t s_t log p_θ(y_t)‖² for each row, over the trainable parameters, in one forward and backward.
 
@@ -227,6 +283,10 @@ def log_likelihood_grad_sq_norms(
         logits_to_keep: the number of completion positions at the end of each row.
         token_scale: ``(B, logits_to_keep)`` weights s_t of the completion tokens (0 masks a token).
         temperature: the policy's sampling temperature (logits are divided by it).
+        checkpointed_layers: the layers that run under non-reentrant gradient checkpointing in this pass (their
+            forward is recomputed during the backward). A module inside one keeps no input from the forward: its
+            input is taken when the backward recomputes it, so that the pass holds one layer's activations at a time,
+            as checkpointed training does, instead of every layer's (`_CheckpointedPairs`).
 
     Returns:
         ``(B,)`` float32.
@@ -235,17 +295,9 @@ def log_likelihood_grad_sq_norms(
     modules = _hooked_modules(model, embedding, head)
     norms = _Norms(input_ids.shape[0], input_ids.device)
     saved: dict[nn.Module, list[torch.Tensor]] = defaultdict(list)  # a module may run more than once per forward
+    recomputed = _CheckpointedPairs(checkpointed_layers, modules)
 
-    def on_forward(module, args, output):
-        if module is embedding:
-            return  # its gradient is the one requested from the backward, handled after it
-        if not args or not torch.is_tensor(output):
-            raise NotImplementedError(f"per-sample gradient norms: unexpected call of {type(module).__name__}.")
-        saved[module].append(args[0].detach())
-        output.register_hook(lambda grad, module=module: on_grad(module, grad))
-
-    def on_grad(module, grad):
-        inputs = saved[module].pop()  # backward visits the calls in reverse order
+    def add_sq(module, inputs, grad):
         if isinstance(module, nn.Linear):
             with record_function("ghost_norms.linear"):
                 norms.add(_linear_sq(inputs, grad))
@@ -255,7 +307,23 @@ def log_likelihood_grad_sq_norms(
             with record_function("ghost_norms.rms_norm"):
                 norms.add(_rms_norm_sq(module, inputs, grad))
 
+    def on_forward(module, args, output):
+        if module is embedding:
+            return  # its gradient is the one requested from the backward, handled after it
+        if not args or not torch.is_tensor(output):
+            raise NotImplementedError(f"per-sample gradient norms: unexpected call of {type(module).__name__}.")
+        if module in recomputed:
+            if not recomputed.in_backward:  # the recompute's output is never differentiated
+                output.register_hook(lambda grad, module=module: recomputed.grad(module, grad, add_sq))
+            return
+        saved[module].append(args[0].detach())
+        output.register_hook(lambda grad, module=module: add_sq(module, saved[module].pop(), grad))  # calls reversed
+
     handles = [m.register_forward_hook(on_forward) for m in modules]
+    handles += [
+        m.register_forward_pre_hook(lambda module, args: recomputed.before_call(module, args[0], add_sq))
+        for m in recomputed.modules
+    ]
     tied = embedding.weight is head.weight and head.weight.requires_grad
     try:
         with torch.enable_grad():
@@ -268,7 +336,9 @@ def log_likelihood_grad_sq_norms(
                 temperature, norms, head.weight.requires_grad, input_ids if tied else None, softcap,
             )
             with record_function("ghost_norms.backward"):
+                recomputed.in_backward = True
                 (embedding_grad,) = torch.autograd.grad(objective.sum(), embeddings)
+        recomputed.check_all_paired()
     finally:
         for handle in handles:
             handle.remove()

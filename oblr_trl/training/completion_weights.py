@@ -305,8 +305,11 @@ class CompletionWeights:
                 # under the mixed precision the training forward runs in (accelerate wraps the model's own forward in
                 # it; the pass calls the backbone directly): the gradients measured are the ones training computes,
                 # and a float32 model under bf16 training is not measured in float32 (2.6× slower on an H100)
-                with disable_gradient_checkpointing(self.policy, self.args.gradient_checkpointing_kwargs), \
-                        self.autocast():
+                layers = self.recomputed_layers()
+                keep_checkpointing = contextlib.nullcontext() if layers else disable_gradient_checkpointing(
+                    self.policy, self.args.gradient_checkpointing_kwargs
+                )
+                with keep_checkpointing, self.autocast():
                     return torch.cat(
                         [
                             log_likelihood_grad_sq_norms(
@@ -316,6 +319,7 @@ class CompletionWeights:
                                 logits_to_keep,
                                 token_scale[start : start + size],
                                 self.temperature,
+                                checkpointed_layers=layers,
                             )
                             for start in range(0, input_ids.size(0), size)
                         ]
@@ -328,6 +332,22 @@ class CompletionWeights:
                     "(correct, slower)."
                 )
         return self.looped_grad_sq_norms(batch, token_scale, size)
+
+    def recomputed_layers(self) -> list[torch.nn.Module]:
+        """The policy's layers that the backward recomputes: transformers' checkpointed layers, in training mode,
+        under non-reentrant checkpointing (transformers' and TRL's default). The ghost-norm pass keeps them checkpointed and holds one
+        layer's activations at a time, as training does (on an H100 the pass without it held 7.8 GiB more than GRPO's
+        whole LoRA step). Reentrant checkpointing cannot be differentiated by `torch.autograd.grad`: empty, and the
+        pass runs with checkpointing off."""
+        from transformers.modeling_layers import GradientCheckpointingLayer
+
+        layers = [
+            module for module in self.policy.modules()
+            if isinstance(module, GradientCheckpointingLayer) and module.gradient_checkpointing and module.training
+        ]
+        # transformers binds the checkpoint's keywords to the layer; torch's default is reentrant
+        checkpoint_kwargs = [getattr(layer._gradient_checkpointing_func, "keywords", {}) for layer in layers]
+        return layers if all(kwargs.get("use_reentrant", True) is False for kwargs in checkpoint_kwargs) else []
 
     def refuse_parameter_gradients_under_fsdp2(self, reason: str) -> None:
         """The per-row fallback differentiates with respect to the parameters, which FSDP2 holds as shards outside
