@@ -414,6 +414,9 @@ def run_result(spec: dict, variant: str, trainer, times: dict[str, list[float]],
     return {"weights_measured_frac": statistics.fmean(measured) if measured else None,
             "variant": variant, "repeat": spec["repeat"], "position": spec["position"],
             "num_generations": trainer.args.num_generations, "processes": trainer.accelerator.num_processes,
+            # what the optimizer trains (the adapters alone under a preset's LoRA), of the model's parameters
+            "trainable_parameters": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
+            "parameters": sum(p.numel() for p in trainer.model.parameters()),
             "distributed_type": str(trainer.accelerator.distributed_type), "step_seconds": timed,
             "step_spans": times["span"][warmup:],  # (start, end) of each timed step on this process's clock
             "generation_seconds": generating, "median_step_seconds": statistics.median(timed),

@@ -117,6 +117,17 @@ def test_exact_weights_profile_smoke(saved_tiny_model, tmp_path):
     assert results["top_operators"] and (tmp_path / "exact_weights_profile.png").exists() and "| phase |" in out
 
 
+def test_overhead_gpu_lora_preset_trains_the_adapters_only(tmp_path):
+    """The `gpu-lora` preset's path on CPU: the same random model under a rank-32 LoRA on every linear layer, so the
+    optimizer trains the adapters alone (the `gpu` preset trains every parameter, the test below)."""
+    run("overhead.py", "--preset", "gpu-lora", "--model", "random:smollm2-135m", "--variants", "grpo", "--repeats", "1",
+        "--steps", "1", "--max_completion_length", "3", "--set", "bf16=false", "--set", "use_cpu=true", "--set",
+        "gradient_checkpointing=false", "--set", "per_device_train_batch_size=4", "--set", "num_generations=4",
+        "--output_dir", str(tmp_path))
+    (result,) = json.loads((tmp_path / "overhead.json").read_text())["runs"]
+    assert 0 < result["trainable_parameters"] < 0.1 * result["parameters"]
+
+
 def test_overhead_times_generation_and_the_trainers_part_on_a_random_model_of_a_named_shape(tmp_path):
     """The GPU preset's path on CPU: a random model of a named shape with SmolLM2's tokenizer, a reward that varies
     per completion, and each step split into generation and the trainer's own part, with OBLR-PO's phases."""
@@ -128,7 +139,7 @@ def test_overhead_times_generation_and_the_trainers_part_on_a_random_model_of_a_
     results = json.loads((tmp_path / "overhead.json").read_text())
     for run_ in results["runs"]:
         assert all(0 < gen < step for gen, step in zip(run_["generation_seconds"], run_["step_seconds"]))
-        assert run_["median_trainer_seconds"] > 0
+        assert run_["median_trainer_seconds"] > 0 and run_["trainable_parameters"] == run_["parameters"]
     summary = {row["variant"]: row for row in results["summary"]}
     assert summary["grpo"]["trainer_ratio_mean"] == 1.0 and summary["grpo"]["median_step_kl_seconds"] == 0.0
     sampled = summary["oblrpo-kl-sample-2"]
