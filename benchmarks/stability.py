@@ -411,11 +411,45 @@ def smollm2_grid(runs: list[dict], resamples: int) -> tuple[dict, dict] | None:
                                for m, rate in sorted({(r["method"], r["learning_rate"]) for r in beyond})},
                "steps": len(grid[0]["reward"]), "schedule": TRL_SCHEDULE,
                "problems": problems["title"]}
-    summary = grid_summary(smollm2_cells(grid, initial["accuracy"]), resamples)
+    cells = smollm2_cells(grid, initial["accuracy"])
+    summary = grid_summary(cells, resamples)
+    summary["forms"] = form_comparison(cells, resamples)
     twin = defaults_twin(problems)
     if "oblrpo" not in summary["methods"] and twin in summary["methods"]:  # the defaults' runs, under their own name
         summary["methods"]["oblrpo"] = {**summary["methods"][twin], "same_runs_as": twin}
     return summary, details
+
+
+# issue 40's decision between the trust region's two forms at the shipping cadence, and each against GRPO
+FORM_PAIRS = [("oblrpo-trust-target-every8", "oblrpo-trust-cap-every8"), ("oblrpo-trust-target-every8", REFERENCE),
+              ("oblrpo-trust-cap-every8", REFERENCE)]
+
+
+def form_comparison(cells: dict[str, dict[float, list[dict]]], resamples: int) -> dict:
+    """Per pair of `FORM_PAIRS` and per rate both ran: the final accuracy of the first minus the second, paired by
+    seed (mean, bootstrap interval, seeds), so that a cell with more seeds than the grid (10 at 1e-6 and 1e-5) is
+    compared on all of them."""
+    comparison = {}
+    for first, second in FORM_PAIRS:
+        if first not in cells or second not in cells:
+            continue
+        by_rate = {}
+        for rate in sorted(set(cells[first]) & set(cells[second])):
+            theirs = {r["seed"]: r["final"] for r in cells[second][rate]}
+            diffs = {r["seed"]: r["final"] - theirs[r["seed"]] for r in cells[first][rate] if r["seed"] in theirs}
+            if diffs:
+                by_rate[f"{rate:.3g}"] = {"mean": statistics.fmean(diffs.values()),
+                                          "ci": bootstrap_ci(list(diffs.values()), resamples), "seeds": sorted(diffs)}
+        comparison[f"{first} - {second}"] = by_rate
+    return comparison
+
+
+def form_table(comparison: dict) -> str:
+    rates = sorted({rate for by_rate in comparison.values() for rate in by_rate}, key=float)
+    rows = [[pair, *(f"{c['mean']:+.3f} [{c['ci'][0]:+.3f}, {c['ci'][1]:+.3f}] (n={len(c['seeds'])})"
+                     if (c := by_rate.get(rate)) else "—" for rate in rates)]
+            for pair, by_rate in comparison.items()]
+    return markdown_table(["final accuracy, paired by seed", *rates], rows)
 
 
 def grid_methods(methods: list[str], problems: dict) -> list[str]:
@@ -597,6 +631,9 @@ def write_summary(args) -> None:
                      "this method's final, averaged over the rates, per seed; difference paired with `grpo` (bootstrap "
                      "over seeds).\n",
                      cell_table(summary, details["rates"]), ""]
+        if summary["forms"]:
+            markdown += ["The trust region's two forms at the shipping cadence (every 8th step measured), paired by "
+                         "seed at each rate both ran:\n", form_table(summary["forms"]), ""]
         if details["beyond_grid"]:
             markdown += ["Runs outside the grid (not in the regret): final test accuracy per seed\n",
                          markdown_table(["method @ rate", "seed: final"],

@@ -310,6 +310,30 @@ def test_stability_summary_tests_a_default_against_grpo_seed_by_seed():
     assert grid_summary(cells, resamples=200)["methods"]["rule"]["by_lr"]["1e-05"]["collapse_fraction"] == 1 / 3
 
 
+def test_stability_compares_the_trust_regions_forms_seed_by_seed_on_every_seed_both_ran():
+    """Issue 40's decision: target minus cap (and each minus GRPO) per rate, paired by seed, on all the seeds both
+    ran at that rate — more than the grid's at the rates with extra seeds, and only the shared ones."""
+    sys.path.insert(0, str(BENCHMARKS))
+    from stability import form_comparison
+
+    def cell(finals, first_seed=0):
+        return [{"seed": first_seed + i, "final": final} for i, final in enumerate(finals)]
+
+    cells = {"oblrpo-trust-target-every8": {1e-6: cell([0.9, 0.8, 0.9, 0.7]), 1e-5: cell([0.9, 0.9])},
+             "oblrpo-trust-cap-every8": {1e-6: cell([0.6, 0.6, 0.5]), 1e-5: cell([0.8, 1.0])},
+             "grpo": {1e-6: cell([0.5, 0.6], first_seed=1)}}
+    comparison = form_comparison(cells, resamples=200)
+    target_cap = comparison["oblrpo-trust-target-every8 - oblrpo-trust-cap-every8"]
+    assert target_cap["1e-06"]["seeds"] == [0, 1, 2]  # seed 3 has no cap run
+    assert target_cap["1e-06"]["mean"] == pytest.approx((0.3 + 0.2 + 0.4) / 3)
+    assert target_cap["1e-05"]["mean"] == pytest.approx(0.0)
+    low, high = target_cap["1e-06"]["ci"]
+    assert 0.2 - 1e-6 <= low <= high <= 0.4 + 1e-6
+    target_grpo = comparison["oblrpo-trust-target-every8 - grpo"]
+    assert set(target_grpo) == {"1e-06"} and target_grpo["1e-06"]["seeds"] == [1, 2]
+    assert target_grpo["1e-06"]["mean"] == pytest.approx((0.3 + 0.3) / 2)
+
+
 def test_stability_tables_never_mix_graders(tmp_path):
     """Runs graded by the current grader replace older ones in a table; older runs alone are shown, but marked."""
     sys.path.insert(0, str(BENCHMARKS))
