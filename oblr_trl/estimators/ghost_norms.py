@@ -261,8 +261,8 @@ class _CheckpointedPairs:
         if self.grads:
             names = sorted({type(m).__name__ for m in self.grads})
             raise RuntimeError(
-                f"per-sample gradient norms: {len(self.grads)} modules ({', '.join(names)}) were named checkpointed but "
-                "their layer was not recomputed in the backward (is the model in training mode?)."
+                f"per-sample gradient norms: {len(self.grads)} modules ({', '.join(names)}) were named checkpointed "
+                "but their layer was not recomputed in the backward (is the model in training mode?)."
             )
 
 

@@ -335,10 +335,10 @@ class CompletionWeights:
 
     def recomputed_layers(self) -> list[torch.nn.Module]:
         """The policy's layers that the backward recomputes: transformers' checkpointed layers, in training mode,
-        under non-reentrant checkpointing (transformers' and TRL's default). The ghost-norm pass keeps them checkpointed and holds one
-        layer's activations at a time, as training does (on an H100 the pass without it held 7.8 GiB more than GRPO's
-        whole LoRA step). Reentrant checkpointing cannot be differentiated by `torch.autograd.grad`: empty, and the
-        pass runs with checkpointing off."""
+        under non-reentrant checkpointing (transformers' and TRL's default). The ghost-norm pass keeps them
+        checkpointed and holds one layer's activations at a time, as training does (on an H100 the pass without it
+        held 7.8 GiB more than GRPO's whole LoRA step). Reentrant checkpointing cannot be differentiated by
+        `torch.autograd.grad`: empty, and the pass runs with checkpointing off."""
         from transformers.modeling_layers import GradientCheckpointingLayer
 
         layers = [
@@ -346,7 +346,8 @@ class CompletionWeights:
             if isinstance(module, GradientCheckpointingLayer) and module.gradient_checkpointing and module.training
         ]
         # transformers binds the checkpoint's keywords to the layer; torch's default is reentrant
-        checkpoint_kwargs = [getattr(layer._gradient_checkpointing_func, "keywords", {}) for layer in layers]
+        checkpoint_kwargs = [getattr(getattr(layer, "_gradient_checkpointing_func", None), "keywords", {})
+                             for layer in layers]
         return layers if all(kwargs.get("use_reentrant", True) is False for kwargs in checkpoint_kwargs) else []
 
     def refuse_parameter_gradients_under_fsdp2(self, reason: str) -> None:
