@@ -250,9 +250,9 @@ def test_per_sample_batch_size_sets_the_chunks_of_the_norm_pass(make_trainer, mo
     chunks = []
     batched = trainer_module.log_likelihood_grad_sq_norms
 
-    def recording(model, input_ids, *args):
+    def recording(model, input_ids, *args, **kwargs):
         chunks.append(input_ids.size(0))
-        return batched(model, input_ids, *args)
+        return batched(model, input_ids, *args, **kwargs)
 
     monkeypatch.setattr(trainer_module, "log_likelihood_grad_sq_norms", recording)
     generator = torch.Generator().manual_seed(0)

@@ -101,10 +101,8 @@ class OBLRPOOptions:
         default=None,
         metadata={
             "help": "Sequences per forward and backward of the per-sample gradient norms ('exact' weights, "
-            "'per_sample' SNR). Under non-reentrant gradient checkpointing (the default when it is on) that pass "
-            "recomputes each layer in its backward as training does and holds one layer's activations at a time; "
-            "otherwise every layer's for its chunk, so a smaller value trades speed for peak memory. None: "
-            "per_device_train_batch_size."
+            "'per_sample' SNR). Without (non-reentrant) gradient checkpointing that pass holds every layer's "
+            "activations for its chunk: a smaller value trades speed for memory. None: per_device_train_batch_size."
         },
     )
 
