@@ -223,36 +223,37 @@ class _CheckpointedPairs:
     the module's term. Pairing by module needs one call per module and forward, which the first call checks.
     """
 
-    def __init__(self, layers: Iterable[nn.Module], hooked: list[nn.Module]):
+    def __init__(self, layers: Iterable[nn.Module], hooked: list[nn.Module], add_sq):
         inside = {id(m) for layer in layers for m in layer.modules()}
         self.modules = {m for m in hooked if id(m) in inside}
+        self.add_sq = add_sq  # (module, inputs, output gradient) -> adds the module's per-row term
         self.in_backward = False
-        self.calls: dict[nn.Module, int] = defaultdict(int)
+        self.called: set[nn.Module] = set()
         self.inputs: dict[nn.Module, torch.Tensor] = {}
         self.grads: dict[nn.Module, torch.Tensor] = {}
 
     def __contains__(self, module: nn.Module) -> bool:
         return module in self.modules
 
-    def before_call(self, module: nn.Module, inputs: torch.Tensor, add_sq) -> None:
+    def before_call(self, module: nn.Module, inputs: torch.Tensor) -> None:
         """Before the module runs (a recompute may stop inside the layer's last module, once everything the backward
         needs is recomputed, so its input is taken before it runs): counts the forward's calls, takes the
         recompute's input."""
         if not self.in_backward:
-            self.calls[module] += 1
-            if self.calls[module] > 1:
+            if module in self.called:
                 raise NotImplementedError(
                     f"per-sample gradient norms under gradient checkpointing: {type(module).__name__} runs more than "
                     "once per forward."
                 )
+            self.called.add(module)
         elif module in self.grads:
-            add_sq(module, inputs.detach(), self.grads.pop(module))
+            self.add_sq(module, inputs.detach(), self.grads.pop(module))
         else:
             self.inputs[module] = inputs.detach()
 
-    def grad(self, module: nn.Module, grad: torch.Tensor, add_sq) -> None:
+    def grad(self, module: nn.Module, grad: torch.Tensor) -> None:
         if module in self.inputs:
-            add_sq(module, self.inputs.pop(module), grad)
+            self.add_sq(module, self.inputs.pop(module), grad)
         else:
             self.grads[module] = grad
 
@@ -295,7 +296,6 @@ def log_likelihood_grad_sq_norms(
     modules = _hooked_modules(model, embedding, head)
     norms = _Norms(input_ids.shape[0], input_ids.device)
     saved: dict[nn.Module, list[torch.Tensor]] = defaultdict(list)  # a module may run more than once per forward
-    recomputed = _CheckpointedPairs(checkpointed_layers, modules)
 
     def add_sq(module, inputs, grad):
         if isinstance(module, nn.Linear):
@@ -307,6 +307,8 @@ def log_likelihood_grad_sq_norms(
             with record_function("ghost_norms.rms_norm"):
                 norms.add(_rms_norm_sq(module, inputs, grad))
 
+    recomputed = _CheckpointedPairs(checkpointed_layers, modules, add_sq)
+
     def on_forward(module, args, output):
         if module is embedding:
             return  # its gradient is the one requested from the backward, handled after it
@@ -314,14 +316,14 @@ def log_likelihood_grad_sq_norms(
             raise NotImplementedError(f"per-sample gradient norms: unexpected call of {type(module).__name__}.")
         if module in recomputed:
             if not recomputed.in_backward:  # the recompute's output is never differentiated
-                output.register_hook(lambda grad, module=module: recomputed.grad(module, grad, add_sq))
+                output.register_hook(lambda grad, module=module: recomputed.grad(module, grad))
             return
         saved[module].append(args[0].detach())
         output.register_hook(lambda grad, module=module: add_sq(module, saved[module].pop(), grad))  # calls reversed
 
     handles = [m.register_forward_hook(on_forward) for m in modules]
     handles += [
-        m.register_forward_pre_hook(lambda module, args: recomputed.before_call(module, args[0], add_sq))
+        m.register_forward_pre_hook(lambda module, args: recomputed.before_call(module, args[0]))
         for m in recomputed.modules
     ]
     tied = embedding.weight is head.weight and head.weight.requires_grad
