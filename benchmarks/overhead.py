@@ -14,7 +14,9 @@ Between processes the machine's speed drifts: on 2 shared CPU cores the variant 
 last differed by up to ±15 % with nothing changed, which the alternating order cancels from the mean but not from the
 interval. ``--interleave`` removes it: each repeat is one process in which every variant's trainer trains in its own
 thread and they take one optimizer step each in turn (`LockStep`; the order reversed every round), so each variant's
-steps are timed seconds, not minutes, apart from GRPO's. Peak memory is then not measured (one process).
+steps are timed seconds, not minutes, apart from GRPO's. The variants then share one process, so peak memory comes
+from ``--memory_repeats`` further repeats in which each variant trains alone in its own process for the same steps
+(memory barely varies between runs; the time is what needs the interleaving).
 
 Generation is timed inside every step (TRL's `_generate_single_turn`, synchronised on a GPU), so each step splits into
 generation and the **trainer's own part** (step minus generation): what a vLLM user pays, since vLLM makes generation
@@ -156,7 +158,10 @@ def parse_args(argv=None):
     parser.add_argument("--interleave", action="store_true",
                         help="train every variant of a repeat in one process, one optimizer step each in turn (the "
                              "order reversed every round), so that the machine's drift between runs cancels from "
-                             "the paired ratios; peak memory is then not measured (the variants share the process)")
+                             "the paired ratios; peak memory comes from --memory_repeats separate runs instead")
+    parser.add_argument("--memory_repeats", type=int, default=2,
+                        help="with --interleave: repeats of every variant in its own process, the same steps, for "
+                             "peak memory (the interleaved variants share one process); 0: no memory")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -435,13 +440,21 @@ def balanced_order(variants: list[str], repeat: int) -> list[str]:
     return list(variants) if repeat % 2 == 0 else list(reversed(variants))
 
 
-def summarise(runs: list[dict], variants: list[str]) -> list[dict]:
-    by_variant = {v: sorted((r for r in runs if r["variant"] == v), key=lambda r: r["repeat"]) for v in variants}
-    reference = by_variant.get("grpo")
+def by_repeat(runs: list[dict], variants: list[str]) -> dict[str, list[dict]]:
+    return {v: sorted((r for r in runs if r["variant"] == v), key=lambda r: r["repeat"]) for v in variants}
+
+
+def summarise(runs: list[dict], variants: list[str], memory_runs: list[dict] | None = None) -> list[dict]:
+    """One row per variant: times from ``runs``, peak memory from ``memory_runs`` (default: the same runs; the
+    separate-process runs when ``runs`` were interleaved)."""
+    by_variant = by_repeat(runs, variants)
+    by_variant_memory = by_repeat(runs if memory_runs is None else memory_runs, variants)
+    reference, reference_memory = by_variant.get("grpo"), by_variant_memory.get("grpo")
     rows = []
     for variant, results in by_variant.items():
         medians = [r["mean_step_seconds"] for r in results]  # the median over runs of each run's mean step
-        memory = [r["peak_memory_bytes"] for r in results if r["peak_memory_bytes"] is not None]  # none interleaved
+        memory_results = [r for r in by_variant_memory[variant] if r["peak_memory_bytes"] is not None]
+        memory = [r["peak_memory_bytes"] for r in memory_results]
         measured = [r["weights_measured_frac"] for r in results if r.get("weights_measured_frac") is not None]
         row = {"variant": variant, "median_step_seconds": statistics.median(medians), "min": min(medians),
                "weights_measured_frac": statistics.fmean(measured) if measured else None,
@@ -457,7 +470,8 @@ def summarise(runs: list[dict], variants: list[str]) -> list[dict]:
             time_ratios = paired("mean_step_seconds")
             trainer_ratios, generation_ratios = paired("mean_trainer_seconds"), paired("mean_generation_seconds")
             if memory:
-                memory_ratios = paired("peak_memory_bytes")
+                memory_ratios = [r["peak_memory_bytes"] / g["peak_memory_bytes"]
+                                 for r, g in zip(memory_results, reference_memory, strict=True)]
                 row |= {"memory_ratio": statistics.median(memory_ratios), "memory_ratio_min": min(memory_ratios),
                         "memory_ratio_max": max(memory_ratios)}
             row |= {"time_ratio": statistics.median(time_ratios), "time_ratio_min": min(time_ratios),
@@ -547,7 +561,9 @@ def main(argv=None):
         for repeat in range(args.repeats)
         for position, variant in enumerate(balanced_order(args.variants, repeat))
     ]
+    memory_specs = []
     if args.interleave:  # one process a repeat, its variants named together in the order of their first round
+        memory_specs = [spec for spec in specs if spec["repeat"] < args.memory_repeats]
         specs = [{**spec, "variant": "+".join(balanced_order(args.variants, repeat)), "position": 0,
                   "interleave": True, "output_dir": str(output_dir / "runs" / f"interleaved-{repeat}")}
                  for repeat, spec in enumerate(spec for spec in specs if spec["position"] == 0)]
@@ -556,20 +572,23 @@ def main(argv=None):
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                     "--nproc_per_node", str(args.fsdp2_cpu_processes)]
     runs_log = output_dir / f"{args.name}_runs.jsonl"
-    done = recorded_runs(runs_log, specs) if args.resume or args.recorded_only else {}
+    done = recorded_runs(runs_log, specs + memory_specs) if args.resume or args.recorded_only else {}
     if args.recorded_only:
         args.repeats = complete_repeats(specs, done)
+        args.memory_repeats = complete_repeats(memory_specs, done)
         if not args.repeats:
             raise SystemExit(f"{runs_log}: no repeat has all of its runs recorded")
         specs = [spec for spec in specs if spec["repeat"] < args.repeats]
+        memory_specs = [spec for spec in memory_specs if spec["repeat"] < args.memory_repeats]
     elif not args.resume:
         runs_log.unlink(missing_ok=True)
-    todo = [spec for spec in specs if run_key(spec) not in done]
+    todo = [spec for spec in specs + memory_specs if run_key(spec) not in done]
     fresh = run_in_subprocesses(__file__, todo, "overhead runs", launcher=launcher,
                                 on_result=lambda spec, result: append_run(runs_log, spec, result))
     done |= {run_key(spec): result for spec, result in zip(todo, fresh, strict=True)}
     runs = [run for spec in specs for run in (done[run_key(spec)] if args.interleave else [done[run_key(spec)]])]
-    rows = summarise(runs, args.variants)
+    memory_runs = [done[run_key(spec)] for spec in memory_specs] if args.interleave else None
+    rows = summarise(runs, args.variants, memory_runs)
     figure = plot(rows, output_dir, args.name)
     config = {**preset["config"], **overrides}
     markdown = (
@@ -580,7 +599,10 @@ def main(argv=None):
         f"(order alternating: {' '.join(balanced_order(args.variants, 0))}, then reversed) × {args.steps} timed steps "
         f"(after {args.warmup_steps} warm-up; per run their mean)"
         + ("; interleaved: each repeat one process in which the variants take one optimizer step each in turn, the "
-           "order reversed every round (peak memory not measured)" if args.interleave else "")
+           "order reversed every round" + (f"; peak memory from {args.memory_repeats} further repeats in which each "
+                                            "variant trains alone in its own process for the same steps"
+                                            if args.memory_repeats else " (peak memory not measured)")
+           if args.interleave else "")
         + (f"; FSDP2 over {args.fsdp2_cpu_processes} CPU processes for every variant" if args.fsdp2_cpu_processes
            else "")
         + (f"; preset overrides `{overrides}`" if overrides else "") + ".\n\n"
@@ -603,7 +625,9 @@ def main(argv=None):
              for r in rows],
         )
     )
-    write_results(output_dir, args.name, {"arguments": vars(args), "summary": rows, "runs": runs}, markdown)
+    write_results(output_dir, args.name, {"arguments": vars(args), "summary": rows, "runs": runs,
+                                          **({"memory_runs": memory_runs} if memory_runs is not None else {})},
+                  markdown)
     print(markdown)
     return 0
 

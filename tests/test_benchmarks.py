@@ -59,13 +59,18 @@ def test_overhead_smoke(saved_tiny_model, tmp_path):
 
 def test_overhead_interleaved_variants_take_one_step_each_in_turn_in_one_process(saved_tiny_model, tmp_path):
     """--interleave: the variants of a repeat train in one process, one optimizer step each in turn, the order reversed
-    every round and between repeats; their steps never overlap, and no per-variant memory is claimed."""
+    every round and between repeats; their steps never overlap. Peak memory comes from --memory_repeats separate runs
+    of each variant alone, never from the shared process."""
     run("overhead.py", "--interleave", "--model", str(saved_tiny_model), "--variants", "grpo", "oblrpo", "--repeats",
-        "2", "--steps", "3", "--max_completion_length", "3", "--set", "num_generations=4", "--output_dir", str(tmp_path))
+        "2", "--memory_repeats", "1", "--steps", "3", "--max_completion_length", "3", "--set", "num_generations=4",
+        "--output_dir", str(tmp_path))
     results = json.loads((tmp_path / "overhead.json").read_text())
     runs = results["runs"]
     assert sorted((r["variant"], r["repeat"]) for r in runs) == [("grpo", 0), ("grpo", 1), ("oblrpo", 0), ("oblrpo", 1)]
     assert all(r["peak_memory_bytes"] is None for r in runs)
+    alone = {r["variant"]: r for r in results["memory_runs"]}
+    assert sorted(alone) == ["grpo", "oblrpo"] and all(r["peak_memory_bytes"] > 0 for r in alone.values())
+    assert all(len(r["step_seconds"]) == 3 for r in alone.values())  # the same timed steps as the interleaved runs
     for repeat, first in ((0, ["grpo", "oblrpo"]), (1, ["oblrpo", "grpo"])):
         steps = sorted((start, end, r["variant"]) for r in runs if r["repeat"] == repeat for start, end in r["step_spans"])
         assert all(end <= next_start for (_, end, _), (next_start, _, _) in zip(steps, steps[1:]))
@@ -73,8 +78,11 @@ def test_overhead_interleaved_variants_take_one_step_each_in_turn_in_one_process
         rounds = [first[::-1], first, first[::-1]]
         assert [variant for _, _, variant in steps] == [v for order in rounds for v in order]
     summary = {row["variant"]: row for row in results["summary"]}
-    assert summary["oblrpo"]["trainer_ratio_mean"] > 0 and "memory_ratio" not in summary["oblrpo"]
-    assert summary["oblrpo"]["peak_memory_mib"] is None and (tmp_path / "overhead.png").exists()
+    assert summary["oblrpo"]["trainer_ratio_mean"] > 0 and (tmp_path / "overhead.png").exists()
+    assert summary["oblrpo"]["peak_memory_mib"] == alone["oblrpo"]["peak_memory_bytes"] / 2**20
+    assert summary["oblrpo"]["memory_ratio"] == pytest.approx(
+        alone["oblrpo"]["peak_memory_bytes"] / alone["grpo"]["peak_memory_bytes"])
+    assert "further repeats in which each variant trains alone" in (tmp_path / "overhead.md").read_text()
 
 
 def test_overhead_resume_reuses_the_recorded_runs_and_runs_only_the_missing_ones(saved_tiny_model, tmp_path):
