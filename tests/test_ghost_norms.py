@@ -1,5 +1,7 @@
 """Per-sample gradient norms in one batched pass (`estimators.ghost_norms`) against the one-backward-per-row oracle."""
 
+import gc
+
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
@@ -154,6 +156,24 @@ def test_under_gradient_checkpointing_matches_the_per_row_loop(tokenizer, archit
     error = ((ghost - reference).abs() / reference).max().item()
     LARGEST.append(error)
     assert error < 1e-4, (ghost, reference)
+
+
+def live_tensors() -> int:
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if torch.is_tensor(o))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_pass_leaves_no_tensor_alive(tokenizer, tied):
+    """Each pass's hooks are removed with it: a gradient hook left on a tensor the autograd graph outlives kept the
+    pass's norms and the LM head's saved states alive, 22 tensors (5.2 MB) a step on the CPU preset (2026-11-27)."""
+    model = tiny_causal_lm(tokenizer, "llama", tie_word_embeddings=tied, seed=3)
+    ids, mask, keep, scale = padded_batch(tokenizer)
+    log_likelihood_grad_sq_norms(model, ids, mask, keep, scale, 0.8)  # caches built on a first call are not a leak
+    before = live_tensors()
+    for _ in range(3):
+        log_likelihood_grad_sq_norms(model, ids, mask, keep, scale, 0.8)
+    assert live_tensors() == before
 
 
 def peak_allocated_bytes(fn) -> int:

@@ -309,17 +309,18 @@ def log_likelihood_grad_sq_norms(
 
     recomputed = _CheckpointedPairs(checkpointed_layers, modules, add_sq)
 
-    def on_forward(module, args, output):
+    def on_forward(module, args, output):  # its gradient hooks are removed with the pass's (a hook left on a tensor
+        # the autograd graph outlives kept `norms` and the head's saved states alive: 5 MB a step on the CPU preset)
         if module is embedding:
             return  # its gradient is the one requested from the backward, handled after it
         if not args or not torch.is_tensor(output):
             raise NotImplementedError(f"per-sample gradient norms: unexpected call of {type(module).__name__}.")
         if module in recomputed:
             if not recomputed.in_backward:  # the recompute's output is never differentiated
-                output.register_hook(lambda grad, module=module: recomputed.grad(module, grad))
+                handles.append(output.register_hook(lambda grad, module=module: recomputed.grad(module, grad)))
             return
         saved[module].append(args[0].detach())
-        output.register_hook(lambda grad, module=module: add_sq(module, saved[module].pop(), grad))  # calls reversed
+        handles.append(output.register_hook(lambda grad, module=module: add_sq(module, saved[module].pop(), grad)))
 
     handles = [m.register_forward_hook(on_forward) for m in modules]
     handles += [
