@@ -309,8 +309,10 @@ def log_likelihood_grad_sq_norms(
 
     recomputed = _CheckpointedPairs(checkpointed_layers, modules, add_sq)
 
-    def on_forward(module, args, output):  # its gradient hooks are removed with the pass's (a hook left on a tensor
-        # the autograd graph outlives kept `norms` and the head's saved states alive: 5 MB a step on the CPU preset)
+    # every hook the pass registers, its gradient hooks on module outputs included, is removed when it ends: a hook
+    # left on a tensor the autograd graph outlives kept `norms` and the head's saved states alive (5 MB a step on the
+    # CPU preset)
+    def on_forward(module, args, output):
         if module is embedding:
             return  # its gradient is the one requested from the backward, handled after it
         if not args or not torch.is_tensor(output):
