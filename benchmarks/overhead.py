@@ -2,21 +2,22 @@
 
 Every variant trains the same model on the same data with the same seeds. Completion lengths are fixed (EOS is held
 back until `max_completion_length`) so that every step of every variant processes the same number of tokens and a
-difference in time is the trainer's own. Each (variant, repeat) runs in a fresh process. The order alternates
-between repeats (A B C, C B A, A B C, …; A B B A … for two variants): whichever runs first in a repeat runs slower on
-a small machine (a fixed order gave OBLR-PO 0.90× or 1.07× GRPO's step time depending on which went first), and
-alternating puts every variant first equally often. Per run, the mean of the timed steps (after warm-up steps: a cost
-paid on some steps only, such as the trust region measuring every k-th step, counts in full; the medians are kept in
-the runs' records); per variant, the median over runs, and the paired ratio to GRPO in each repeat: its mean with a 95 % bootstrap interval
-over repeats (and min–max). Peak memory: resident set size (CPU, per process) or peak allocated (GPU).
+difference in time is the trainer's own. Each (variant, repeat) runs in a fresh process. The order changes between
+repeats (`balanced_orders`: A B, B A, … for two variants; for more, every variant in every place and after every other
+equally often): whichever runs first in a repeat runs slower on a small machine (a fixed order gave OBLR-PO 0.90× or
+1.07× GRPO's step time depending on which went first). Per run, the mean of the timed steps (after warm-up steps: a
+cost paid on some steps only, such as the trust region measuring every k-th step, counts in full; the medians are kept
+in the runs' records); per variant, the median over runs, and the paired ratio to GRPO in each repeat: its mean with a
+95 % bootstrap interval over repeats (and min–max). Peak memory: resident set size (CPU, per process) or peak allocated
+(GPU).
 
 Between processes the machine's speed drifts: on 2 shared CPU cores the variant run first in a repeat and the one run
-last differed by up to ±15 % with nothing changed, which the alternating order cancels from the mean but not from the
+last differed by up to ±15 % with nothing changed, which the changing order cancels from the mean but not from the
 interval. ``--interleave`` removes it: each repeat is one process in which every variant's trainer trains in its own
-thread and they take one optimizer step each in turn (`LockStep`; the order reversed every round), so each variant's
-steps are timed seconds, not minutes, apart from GRPO's. The variants then share one process, so peak memory comes
-from ``--memory_repeats`` further repeats in which each variant trains alone in its own process for the same steps
-(memory barely varies between runs; the time is what needs the interleaving).
+thread and they take one optimizer step each in turn (`LockStep`; each round in the next balanced order), so each
+variant's steps are timed seconds, not minutes, apart from GRPO's. The variants then share one process, so peak memory
+comes from ``--memory_repeats`` further repeats in which each variant trains alone in its own process for the same
+steps (memory barely varies between runs; the time is what needs the interleaving).
 
 Generation is timed inside every step (TRL's `_generate_single_turn`, synchronised on a GPU), so each step splits into
 generation and the **trainer's own part** (step minus generation): what a vLLM user pays, since vLLM makes generation
@@ -140,7 +141,8 @@ def parse_args(argv=None):
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
                         help="override a field of the preset's config (YAML value), e.g. --set use_vllm=false")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
-    parser.add_argument("--repeats", type=int, default=8, help="repeats of every variant, the order alternating")
+    parser.add_argument("--repeats", type=int, default=8,
+                        help="repeats of every variant, the order balanced over them")
     parser.add_argument("--steps", type=int, default=6, help="timed optimizer steps per run")
     parser.add_argument("--warmup_steps", type=int, default=1, help="untimed optimizer steps first")
     parser.add_argument("--max_completion_length", type=int, default=None,
@@ -156,9 +158,10 @@ def parse_args(argv=None):
                         help="start no run: report the repeats whose runs are all recorded in <name>_runs.jsonl (a "
                              "benchmark the time limit stopped; implies --resume)")
     parser.add_argument("--interleave", action="store_true",
-                        help="train every variant of a repeat in one process, one optimizer step each in turn (the "
-                             "order reversed every round), so that the machine's drift between runs cancels from "
-                             "the paired ratios; peak memory comes from --memory_repeats separate runs instead")
+                        help="train every variant of a repeat in one process, one optimizer step each in turn "
+                             "(each round in the next balanced order), so that the machine's drift between runs "
+                             "cancels from the paired ratios; peak memory comes from --memory_repeats separate runs "
+                             "instead")
     parser.add_argument("--memory_repeats", type=int, default=2,
                         help="with --interleave: repeats of every variant in its own process, the same steps, for "
                              "peak memory (the interleaved variants share one process); 0: no memory")
@@ -271,19 +274,19 @@ def naive_exact_trainer():
 
 
 class LockStep:
-    """Lets trainers that train in threads of one process take one optimizer step at a time, in turn, the order of
-    each round reversed on the next (A B C, C B A, …), so that a drift of the machine's speed — which between
-    processes minutes apart moved paired ratios by ±15 % — reaches every variant alike. A trainer that finished (or
-    failed) leaves the rounds."""
+    """Lets trainers that train in threads of one process take one optimizer step at a time, in turn, each round in
+    the next order of `balanced_orders` (the first round in the order given), so that a drift of the machine's speed
+    — which between processes minutes apart moved paired ratios by ±15 % — reaches every variant alike, and no
+    variant keeps one place in the round or one predecessor. A trainer that finished (or failed) leaves the rounds."""
 
     def __init__(self, names: list[str]):
         self.names, self.finished = list(names), set()
+        self.orders = balanced_orders(len(self.names))
         self.round, self.index = 0, 0
         self.condition = threading.Condition()
 
     def _current(self) -> str:
-        order = self.names if self.round % 2 == 0 else self.names[::-1]
-        return order[self.index]
+        return self.names[self.orders[self.round % len(self.orders)][self.index]]
 
     def _advance(self) -> None:
         while len(self.finished) < len(self.names):
@@ -434,10 +437,46 @@ def run_result(spec: dict, variant: str, trainer, times: dict[str, list[float]],
                for statistic, function in (("median", statistics.median), ("mean", statistics.fmean))}}
 
 
+def balanced_orders(n: int) -> list[list[int]]:
+    """Orders of ``n`` items, the first the identity, to be taken in turn (cyclically): a Williams design. Over all of
+    them every item holds every place equally often and, for ``n`` ≥ 3, follows every other item inside an order
+    equally often; taken in turn, no item comes twice in a row across two orders. For two items: A B, B A (B then runs
+    twice in a row, which no balanced order of two avoids). The plain reversal used before (A B C D, D C B A) kept A
+    and D at the ends and B and C in the middle: in the interleaved runs of 2026-11-27 GRPO ran at the ends, and even
+    the generation of the variants in the middle — the same work in every variant — measured 2–4 % slower than
+    GRPO's.
+
+    Rows of the cyclic Latin square built on 0, 1, n−1, 2, n−2, …, with their reverses for an odd ``n``; relabelled
+    so that the first is the identity, and put in an order whose junctions repeat no item."""
+    first = [0]
+    for k in range(1, n):
+        first.append((k + 1) // 2 if k % 2 else n - k // 2)
+    rows = [[(item + shift) % n for item in first] for shift in range(n)]
+    if n % 2 and n > 1:
+        rows += [row[::-1] for row in rows]
+    place = {item: index for index, item in enumerate(first)}
+    rows = [[place[item] for item in row] for row in rows]
+
+    def chain(done: list[list[int]], left: list[list[int]]) -> list[list[int]] | None:
+        """``done`` extended by every row of ``left``, no junction repeating an item (nor the last row's end and the
+        first row's start)."""
+        if not left:
+            return done if n < 3 or done[-1][-1] != done[0][0] else None
+        for index, row in enumerate(left):
+            if n < 3 or row[0] != done[-1][-1]:
+                found = chain(done + [row], left[:index] + left[index + 1:])
+                if found:
+                    return found
+        return None
+
+    return chain([rows[0]], rows[1:])
+
+
 def balanced_order(variants: list[str], repeat: int) -> list[str]:
-    """The variants in the given order on even repeats and reversed on odd ones, so that over an even number of
-    repeats every variant holds every position equally often (A B, B A, A B, … for two)."""
-    return list(variants) if repeat % 2 == 0 else list(reversed(variants))
+    """The variants in the ``repeat``-th order of `balanced_orders`: over as many repeats as there are orders every
+    variant runs in every place equally often (A B, B A, A B, … for two)."""
+    orders = balanced_orders(len(variants))
+    return [variants[index] for index in orders[repeat % len(orders)]]
 
 
 def by_repeat(runs: list[dict], variants: list[str]) -> dict[str, list[dict]]:
@@ -596,12 +635,13 @@ def main(argv=None):
         f"Model `{args.model or preset['model']}`, {config['num_generations']} completions per prompt, "
         f"{config['per_device_train_batch_size']} × {config['gradient_accumulation_steps']} "
         f"completions per step, completions fixed at {length} tokens; {args.repeats} repeats "
-        f"(order alternating: {' '.join(balanced_order(args.variants, 0))}, then reversed) × {args.steps} timed steps "
+        f"(orders balanced over repeats, the first {' '.join(balanced_order(args.variants, 0))}) × {args.steps} "
+        f"timed steps "
         f"(after {args.warmup_steps} warm-up; per run their mean)"
-        + ("; interleaved: each repeat one process in which the variants take one optimizer step each in turn, the "
-           "order reversed every round" + (f"; peak memory from {args.memory_repeats} further repeats in which each "
-                                            "variant trains alone in its own process for the same steps"
-                                            if args.memory_repeats else " (peak memory not measured)")
+        + ("; interleaved: each repeat one process in which the variants take one optimizer step each in turn, each "
+           "round in the next balanced order (every variant in every place and after every other alike)"
+           + (f"; peak memory from {args.memory_repeats} further repeats in which each variant trains alone in its "
+              "own process for the same steps" if args.memory_repeats else " (peak memory not measured)")
            if args.interleave else "")
         + (f"; FSDP2 over {args.fsdp2_cpu_processes} CPU processes for every variant" if args.fsdp2_cpu_processes
            else "")

@@ -57,6 +57,48 @@ def test_overhead_smoke(saved_tiny_model, tmp_path):
     assert 0 <= summary["exact"]["weights_measured_frac"] <= 1 and summary["oblrpo"]["weights_measured_frac"] is None
 
 
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 6])
+def test_balanced_orders_put_every_variant_in_every_place_and_after_every_other_alike(n):
+    """The orders runs and interleaved rounds go through: the first as given; over all of them each variant in each
+    place equally often and, from three variants on, each right after each other equally often and never twice in a
+    row across the junction of two orders (the plain reversal kept the first and last variants at the ends)."""
+    from collections import Counter
+
+    sys.path.insert(0, str(BENCHMARKS))
+    from overhead import balanced_order, balanced_orders
+
+    orders = balanced_orders(n)
+    assert orders[0] == list(range(n)) and all(sorted(order) == list(range(n)) for order in orders)
+    places = Counter((item, place) for order in orders for place, item in enumerate(order))
+    assert len(places) == n * n and len(set(places.values())) == 1
+    if n >= 3:
+        follows = Counter(pair for order in orders for pair in zip(order, order[1:]))
+        assert len(follows) == n * (n - 1) and len(set(follows.values())) == 1
+        assert all(a[-1] != b[0] for a, b in zip(orders, orders[1:] + orders[:1]))
+    names = [f"v{i}" for i in range(n)]
+    assert [balanced_order(names, repeat) for repeat in range(len(orders))] == [[names[i] for i in o] for o in orders]
+
+
+def test_lock_step_takes_the_rounds_in_the_balanced_orders_and_skips_a_trainer_that_left():
+    sys.path.insert(0, str(BENCHMARKS))
+    from overhead import LockStep, balanced_orders
+
+    names = ["grpo", "oblrpo", "oblrpo-no-trust", "exact"]
+    lock_step = LockStep(names)
+    turns = []
+    for _ in range(2 * len(names) * len(names)):
+        turns.append(lock_step._current())
+        lock_step.pass_turn(turns[-1])
+    expected = [names[i] for _ in range(2) for order in balanced_orders(len(names)) for i in order]
+    assert turns == expected
+    lock_step.leave("exact")
+    rest = []
+    for _ in range(6):
+        rest.append(lock_step._current())
+        lock_step.pass_turn(rest[-1])
+    assert "exact" not in rest and sorted(rest[:3]) == sorted(names[:3])
+
+
 def test_overhead_interleaved_variants_take_one_step_each_in_turn_in_one_process(saved_tiny_model, tmp_path):
     """--interleave: the variants of a repeat train in one process, one optimizer step each in turn, the order reversed
     every round and between repeats; their steps never overlap. Peak memory comes from --memory_repeats separate runs
