@@ -217,3 +217,26 @@ def test_layers_named_checkpointed_that_were_not_recomputed_fail_loudly(tokenize
 
 def test_report_largest_error():
     print(f"\nlargest relative error against the per-row loop: {max(LARGEST):.2e} over {len(LARGEST)} checks")
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["whole", "checkpointed"])
+def test_bytes_per_row_bound_what_a_row_adds_to_the_pass(tokenizer, checkpointing, attention):
+    """`pass_bytes_per_row` sizes the GPU's passes from the memory left under the step's peak, so it must not
+    undercount: what 8 more rows add to the pass's peak, per row, stays under it (CPU allocations, the profiler's)."""
+    from oblr_trl.estimators.ghost_norms import pass_bytes_per_row
+
+    model = tiny_causal_lm(tokenizer, "llama", hidden_size=64, num_layers=8, seed=3)
+    model.config._attn_implementation = attention
+    model.train()
+    base, layers = checkpointed(model) if checkpointing else (model, [])
+    generator = torch.Generator().manual_seed(0)
+
+    def peak(rows):
+        ids = torch.randint(8, 100, (rows, 200), generator=generator)
+        return peak_allocated_bytes(lambda: log_likelihood_grad_sq_norms(
+            base, ids, torch.ones_like(ids), 150, torch.ones(rows, 150), checkpointed_layers=layers))
+
+    per_row = (peak(16) - peak(8)) / 8
+    estimate = pass_bytes_per_row(model.config, 200, 4, len(layers))
+    assert 0 < per_row <= estimate, (per_row, estimate)

@@ -272,6 +272,49 @@ def test_per_sample_batch_size_sets_the_chunks_of_the_norm_pass(make_trainer, mo
     assert torch.allclose(norms[1], norms[None], rtol=1e-5) and torch.allclose(norms[5], norms[None], rtol=1e-5)
 
 
+def test_without_per_sample_batch_size_the_chunks_come_from_rows_per_pass(make_trainer, monkeypatch):
+    import oblr_trl.training.completion_weights as trainer_module
+
+    chunks = []
+    batched = trainer_module.log_likelihood_grad_sq_norms
+    monkeypatch.setattr(trainer_module, "log_likelihood_grad_sq_norms",
+                        lambda model, ids, *a, **k: chunks.append(ids.size(0)) or batched(model, ids, *a, **k))
+    trainer = make_trainer(baseline_weights="exact")
+    asked = []
+    monkeypatch.setattr(trainer.completion_weights, "rows_per_pass",
+                        lambda ids, micro_batch, layers: asked.append((ids.size(0), micro_batch, layers)) or 3)
+    batch = {"prompt_ids": torch.randint(8, 60, (7, 5)), "prompt_mask": torch.ones(7, 5, dtype=torch.long),
+             "completion_ids": torch.randint(8, 60, (7, 4)), "completion_mask": torch.ones(7, 4, dtype=torch.long)}
+    trainer.completion_weights.grad_sq_norms(batch, torch.ones(7, 4))
+    assert asked == [(7, 4, 0)] and chunks == [3, 3, 1]
+
+
+@pytest.mark.parametrize(
+    "peak_gib, expected",
+    [(0.0, 4), (100.0, 64), (None, None)],  # nothing freed: a micro-batch; room for all; in between: what fits
+    ids=["no-room", "room-for-all", "what-fits"],
+)
+def test_rows_per_pass_fill_the_memory_freed_under_the_step_peak_on_cuda(make_trainer, monkeypatch, peak_gib,
+                                                                         expected):
+    """On CUDA the pass takes as many rows as fit in 80 % of (peak so far − allocated now) at `pass_bytes_per_row`,
+    at least a micro-batch, at most every row; the CPU twin of what an H100 run decides (no GPU needed: the
+    allocator's two readings are replaced)."""
+    from types import SimpleNamespace
+
+    from oblr_trl.estimators.ghost_norms import pass_bytes_per_row
+
+    trainer = make_trainer(baseline_weights="exact")
+    weights = trainer.completion_weights
+    per_row = pass_bytes_per_row(weights.policy.config, 96, 4, 2)
+    if peak_gib is None:  # room for 10 rows at 80 %
+        peak_gib, expected = (2 * 2**30 + 10 * per_row / 0.8 + 1) / 2**30, 10
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: int(peak_gib * 2**30))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 2 * 2**30 if peak_gib else 0)
+    on_gpu = SimpleNamespace(device=torch.device("cuda"), size=lambda dim: (64, 96)[dim])
+    assert weights.rows_per_pass(on_gpu, 4, 2) == expected
+    assert weights.rows_per_pass(torch.zeros(64, 96, dtype=torch.long), 4, 2) == 4  # CPU: the micro-batch
+
+
 def test_exact_weights_train_a_model_with_tied_embeddings(make_trainer, tokenizer):
     """SmolLM2 and Qwen3-0.6B/4B tie the LM head to the embeddings: the tied cross term of the norms must not leak a
     graph into the advantages (the training backward would run into the freed norm pass)."""

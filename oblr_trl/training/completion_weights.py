@@ -26,7 +26,7 @@ import torch
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import add_fused_lm_head
 
-from ..estimators.ghost_norms import log_likelihood_grad_sq_norms
+from ..estimators.ghost_norms import log_likelihood_grad_sq_norms, pass_bytes_per_row
 from ..estimators.per_sample import per_sample_grad_sq_norms, row_objective
 from ..estimators.weights import length_weights, logit_proxy_weights, loss_token_gains, uniform_weights
 from .generation_hooks import GenerationLogitStats
@@ -292,7 +292,8 @@ class CompletionWeights:
     # Per-sample gradient norms ---------------------------------------------------------------------------------------
 
     def grad_sq_norms(self, batch: dict[str, Any], token_scale: torch.Tensor) -> torch.Tensor:
-        """‖∇_θ Σ_t s_t log p_t(y_t)‖² per completion (`estimators.ghost_norms`), in chunks of `per_sample_batch_size`.
+        """‖∇_θ Σ_t s_t log p_t(y_t)‖² per completion (`estimators.ghost_norms`), in chunks of `per_sample_batch_size`
+        rows (None: `rows_per_pass`).
 
         A model with a layer the ghost norms do not know is measured by one backward per completion instead
         (`looped_grad_sq_norms`), after one warning naming the layer: slower, never wrong, never an error.
@@ -310,18 +311,19 @@ class CompletionWeights:
                     self.policy, self.args.gradient_checkpointing_kwargs
                 )
                 with keep_checkpointing, self.autocast():
+                    rows = size if self.args.per_sample_batch_size else self.rows_per_pass(input_ids, size, len(layers))
                     return torch.cat(
                         [
                             log_likelihood_grad_sq_norms(
                                 self.policy,
-                                input_ids[start : start + size],
-                                attention_mask[start : start + size],
+                                input_ids[start : start + rows],
+                                attention_mask[start : start + rows],
                                 logits_to_keep,
-                                token_scale[start : start + size],
+                                token_scale[start : start + rows],
                                 self.temperature,
                                 checkpointed_layers=layers,
                             )
-                            for start in range(0, input_ids.size(0), size)
+                            for start in range(0, input_ids.size(0), rows)
                         ]
                     )
             except NotImplementedError as error:
@@ -332,6 +334,29 @@ class CompletionWeights:
                     "(correct, slower)."
                 )
         return self.looped_grad_sq_norms(batch, token_scale, size)
+
+    def rows_per_pass(self, input_ids: torch.Tensor, micro_batch: int, checkpointed_layers: int) -> int:
+        """Rows per ghost-norm pass when `per_sample_batch_size` is None.
+
+        On a CUDA device, as many of the ``input_ids``' rows as fit in 80 % of the memory this process has already
+        needed and freed again — its peak so far (generation, earlier training steps) minus what is allocated now —
+        at `pass_bytes_per_row`'s upper estimate, never fewer than ``micro_batch`` (a training micro-batch). Fewer,
+        larger passes: on an H100 each pass of a micro-batch is short enough that its fixed costs (kernel launches,
+        the hooks) weigh. Elsewhere ``micro_batch``: a CPU's passes are bound by arithmetic, and it reports no peak.
+        Under FSDP2 the smallest over the processes, which must run the same passes. Called under the pass's autocast.
+        """
+        device = input_ids.device
+        if device.type != "cuda":
+            return micro_batch
+        element_size = next(self.policy.parameters()).element_size()
+        if torch.is_autocast_enabled("cuda"):
+            element_size = max(element_size, torch.get_autocast_dtype("cuda").itemsize)
+        headroom = torch.cuda.max_memory_allocated(device) - torch.cuda.memory_allocated(device)
+        per_row = pass_bytes_per_row(self.policy.config, input_ids.size(1), element_size, checkpointed_layers)
+        size = max(micro_batch, min(input_ids.size(0), int(0.8 * headroom) // per_row))
+        if self.sharded:
+            size = int(self.gather(torch.tensor([size], device=device)).min())
+        return size
 
     def recomputed_layers(self) -> list[torch.nn.Module]:
         """The policy's layers that the backward recomputes: transformers' checkpointed layers, in training mode,
