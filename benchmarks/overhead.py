@@ -420,6 +420,7 @@ def run_result(spec: dict, variant: str, trainer, times: dict[str, list[float]],
     measured = [log["oblr/weights/measured_frac"] for log in trainer.state.log_history
                 if "oblr/weights/measured_frac" in log][warmup:]
     return {"weights_measured_frac": statistics.fmean(measured) if measured else None,
+            **step_kl_cadence(trainer, times["step_kl"], warmup),
             "variant": variant, "repeat": spec["repeat"], "position": spec["position"],
             "num_generations": trainer.args.num_generations, "processes": trainer.accelerator.num_processes,
             # what the optimizer trains (the adapters alone under a preset's LoRA), of the model's parameters
@@ -435,6 +436,37 @@ def run_result(spec: dict, variant: str, trainer, times: dict[str, list[float]],
             **{f"{statistic}_{name}_seconds": function(times[name][warmup:])
                for name in PHASES
                for statistic, function in (("median", statistics.median), ("mean", statistics.fmean))}}
+
+
+def step_kl_cadence(trainer, step_kl_seconds: list[float], warmup: int) -> dict:
+    """What the trust region's measuring forward costs a step in a long run, from one run.
+
+    The forward runs on the first step and then once every ``lr_trust_region_measure_steps`` steps *with a gradient*
+    (`StepKLRecorder._due`: a step whose groups all scored alike has none and does not count), so a short window can
+    hold its measurement or miss it. Recorded: its seconds per measurement over the timed steps (None if none fell
+    there), the share of the run's steps with a gradient (TRL's logged ``grad_norm`` > 0), and k."""
+    steps = [log for log in trainer.state.log_history if "grad_norm" in log]
+    timed = steps[warmup:]
+    measurements = sum("oblr/step_kl" in log for log in timed)
+    every = getattr(trainer.args, "lr_trust_region_measure_steps", None)
+    measures = every is not None and (trainer.args.lr_trust_region_kl is not None or trainer.args.log_step_kl)
+    return {"step_kl_measure_every": every if measures else None,
+            "step_kl_seconds_per_measurement": sum(step_kl_seconds[warmup:]) / measurements if measurements else None,
+            "gradient_step_frac": statistics.fmean(log["grad_norm"] > 0 for log in steps) if steps else None}
+
+
+def long_run_step_kl_seconds(results: list[dict]) -> float | None:
+    """A variant's measuring forward in seconds a step over a long run, from its runs (`step_kl_cadence`): the median
+    time of one measurement × the share of steps with a gradient ÷ k (k = 1 measures every step, gradient or not);
+    None where the variant does not measure or no window held a measurement."""
+    every = {r.get("step_kl_measure_every") for r in results}
+    per_measurement = [r["step_kl_seconds_per_measurement"] for r in results
+                       if r.get("step_kl_seconds_per_measurement") is not None]
+    if every == {None} or len(every) != 1 or not per_measurement:
+        return None
+    (k,) = every
+    share = 1.0 if k == 1 else statistics.fmean(r["gradient_step_frac"] for r in results)
+    return statistics.median(per_measurement) * share / k
 
 
 def balanced_orders(n: int) -> list[list[int]]:
@@ -519,6 +551,13 @@ def summarise(runs: list[dict], variants: list[str], memory_runs: list[dict] | N
                     "trainer_ratio_mean": statistics.fmean(trainer_ratios), "trainer_ratio_ci": bootstrap_ci(trainer_ratios),
                     "trainer_ratio_min": min(trainer_ratios), "trainer_ratio_max": max(trainer_ratios),
                     "generation_ratio_mean": statistics.fmean(generation_ratios)}
+            long_run = long_run_step_kl_seconds(results)
+            if long_run is not None:  # each window's measuring forward replaced by its long-run share
+                long_run_ratios = [(r["mean_trainer_seconds"] - r["mean_step_kl_seconds"] + long_run)
+                                   / g["mean_trainer_seconds"] for r, g in zip(results, reference, strict=True)]
+                row |= {"long_run_step_kl_seconds": long_run,
+                        "long_run_trainer_ratio_mean": statistics.fmean(long_run_ratios),
+                        "long_run_trainer_ratio_ci": bootstrap_ci(long_run_ratios)}
         rows.append(row)
     return rows
 
@@ -648,17 +687,23 @@ def main(argv=None):
         + (f"; preset overrides `{overrides}`" if overrides else "") + ".\n\n"
         + "The trainer's own part is the step minus the time in TRL's generation (what a vLLM user pays); the "
           "step-KL forward and the weights are OBLR-PO's own phases inside it (median seconds a step, timed in the "
-          "same runs). `exact` weights are measured only for groups whose rewards differ: the share measured is "
-          "given.\n\n"
+          "same runs). The step-KL forward runs on the first step and then once every k steps with a gradient, so "
+          "a short window may hold it or miss it: 'long run' is its time per measurement × the share of steps with "
+          "a gradient ÷ k, and the trainer part with each window's forward replaced by that. `exact` weights are "
+          "measured only for groups whose rewards differ: the share measured is given.\n\n"
         + markdown_table(
             ["variant", "s / step (median)", "min", "max", "÷ GRPO step (paired mean)", "95 % interval",
              "generation s (median)", "trainer part s (median)", "÷ GRPO trainer part (paired mean)", "95 % interval",
-             "÷ GRPO generation", "step-KL forward s", "weights s", "exact weights measured", "peak MiB",
+             "÷ GRPO generation", "step-KL forward s", "step-KL forward s, long run",
+             "÷ GRPO trainer part, long run", "weights s", "exact weights measured", "peak MiB",
              "÷ GRPO memory", "memory ratio min–max"],
             [[r["variant"], r["median_step_seconds"], r["min"], r["max"], r.get("time_ratio_mean", "—"),
               interval(r, "time_ratio_ci"), r["median_generation_seconds"], r["median_trainer_seconds"],
               r.get("trainer_ratio_mean", "—"), interval(r, "trainer_ratio_ci"), r.get("generation_ratio_mean", "—"),
-              r["median_step_kl_seconds"], r["median_weights_seconds"],
+              r["median_step_kl_seconds"], r.get("long_run_step_kl_seconds", "—"),
+              "—" if "long_run_trainer_ratio_mean" not in r else
+              f"{r['long_run_trainer_ratio_mean']:.3f} {interval(r, 'long_run_trainer_ratio_ci')}",
+              r["median_weights_seconds"],
               "—" if r["weights_measured_frac"] is None else f"{r['weights_measured_frac']:.0%}",
               "—" if r["peak_memory_mib"] is None else r["peak_memory_mib"], r.get("memory_ratio", "—"),
               f"{r['memory_ratio_min']:.3f}–{r['memory_ratio_max']:.3f}" if "memory_ratio_min" in r else "—"]

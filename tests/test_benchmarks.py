@@ -55,6 +55,9 @@ def test_overhead_smoke(saved_tiny_model, tmp_path):
     assert low <= summary["oblrpo"]["time_ratio_mean"] <= high
     assert summary["exact"]["peak_memory_mib"] > 0 and (tmp_path / "overhead.png").exists()
     assert 0 <= summary["exact"]["weights_measured_frac"] <= 1 and summary["oblrpo"]["weights_measured_frac"] is None
+    kl_runs = [r for r in results["runs"] if r["variant"] == "oblrpo"]  # the first step always measures: 1 step timed
+    assert all(r["step_kl_measure_every"] == 8 and r["step_kl_seconds_per_measurement"] is None for r in kl_runs)
+    assert all(r["gradient_step_frac"] is not None for r in kl_runs)
 
 
 @pytest.mark.parametrize("n", [2, 3, 4, 5, 6])
@@ -77,6 +80,31 @@ def test_balanced_orders_put_every_variant_in_every_place_and_after_every_other_
         assert all(a[-1] != b[0] for a, b in zip(orders, orders[1:] + orders[:1]))
     names = [f"v{i}" for i in range(n)]
     assert [balanced_order(names, repeat) for repeat in range(len(orders))] == [[names[i] for i in o] for o in orders]
+
+
+def test_summary_puts_the_long_run_share_of_the_measuring_forward_in_place_of_the_window():
+    """A window of 8 steps held one 1.2 s measurement in repeat 0 and none in repeat 1; in a long run the forward runs
+    once per 8 steps with a gradient (75 % of them): 1.2 × 0.75 / 8 = 0.1125 s a step, which replaces each window's
+    own share (0.15 and 0) in the trainer part's ratio."""
+    sys.path.insert(0, str(BENCHMARKS))
+    from overhead import summarise
+
+    def result(variant, repeat, trainer, step_kl, cadence):
+        return {"variant": variant, "repeat": repeat, "mean_step_seconds": trainer + 1.0,
+                "mean_generation_seconds": 1.0, "mean_trainer_seconds": trainer, "mean_step_kl_seconds": step_kl,
+                "mean_weights_seconds": 0.0, "peak_memory_bytes": None, "weights_measured_frac": None, **cadence}
+
+    grpo = {"step_kl_measure_every": None, "step_kl_seconds_per_measurement": None, "gradient_step_frac": 0.8}
+    runs = [result("grpo", 0, 2.0, 0.0, grpo), result("grpo", 1, 2.0, 0.0, grpo),
+            result("oblrpo", 0, 2.15, 0.15, {"step_kl_measure_every": 8, "step_kl_seconds_per_measurement": 1.2,
+                                            "gradient_step_frac": 0.75}),
+            result("oblrpo", 1, 2.0, 0.0, {"step_kl_measure_every": 8, "step_kl_seconds_per_measurement": None,
+                                          "gradient_step_frac": 0.75})]
+    rows = {row["variant"]: row for row in summarise(runs, ["grpo", "oblrpo"])}
+    assert "long_run_trainer_ratio_mean" not in rows["grpo"]
+    assert rows["oblrpo"]["long_run_step_kl_seconds"] == pytest.approx(0.1125)
+    assert rows["oblrpo"]["long_run_trainer_ratio_mean"] == pytest.approx((2.0 + 0.1125) / 2.0)
+    assert rows["oblrpo"]["trainer_ratio_mean"] == pytest.approx((2.15 / 2 + 1.0) / 2)
 
 
 def test_lock_step_takes_the_rounds_in_the_balanced_orders_and_skips_a_trainer_that_left():
@@ -125,6 +153,21 @@ def test_overhead_interleaved_variants_take_one_step_each_in_turn_in_one_process
     assert summary["oblrpo"]["memory_ratio"] == pytest.approx(
         alone["oblrpo"]["peak_memory_bytes"] / alone["grpo"]["peak_memory_bytes"])
     assert "further repeats in which each variant trains alone" in (tmp_path / "overhead.md").read_text()
+
+
+def test_overhead_records_each_measurement_of_the_step_kl(saved_tiny_model, tmp_path):
+    """Measuring every step, each timed step holds one measurement: the time per measurement is the phase's total over
+    the timed steps ÷ their number, and the long run costs that much a step."""
+    run("overhead.py", "--model", str(saved_tiny_model), "--variants", "grpo", "oblrpo-every-step", "--repeats", "1",
+        "--steps", "2", "--max_completion_length", "3", "--set", "num_generations=4", "--output_dir", str(tmp_path))
+    results = json.loads((tmp_path / "overhead.json").read_text())
+    (measuring,) = [r for r in results["runs"] if r["variant"] == "oblrpo-every-step"]
+    assert measuring["step_kl_measure_every"] == 1 and 0 <= measuring["gradient_step_frac"] <= 1
+    assert measuring["mean_step_kl_seconds"] > 0
+    assert measuring["step_kl_seconds_per_measurement"] == pytest.approx(measuring["mean_step_kl_seconds"])
+    (row,) = [r for r in results["summary"] if r["variant"] == "oblrpo-every-step"]
+    assert row["long_run_step_kl_seconds"] == pytest.approx(measuring["step_kl_seconds_per_measurement"])
+    assert "long run" in (tmp_path / "overhead.md").read_text()
 
 
 def test_overhead_resume_reuses_the_recorded_runs_and_runs_only_the_missing_ones(saved_tiny_model, tmp_path):
