@@ -414,6 +414,7 @@ def smollm2_grid(runs: list[dict], resamples: int) -> tuple[dict, dict] | None:
     cells = smollm2_cells(grid, initial["accuracy"])
     summary = grid_summary(cells, resamples)
     summary["forms"] = form_comparison(cells, resamples)
+    summary["form_regrets"] = form_regret_differences(cells, details["rates"], resamples)
     twin = defaults_twin(problems)
     if "oblrpo" not in summary["methods"] and twin in summary["methods"]:  # the defaults' runs, under their own name
         summary["methods"]["oblrpo"] = {**summary["methods"][twin], "same_runs_as": twin}
@@ -442,6 +443,24 @@ def form_comparison(cells: dict[str, dict[float, list[dict]]], resamples: int) -
                                           "ci": bootstrap_ci(list(diffs.values()), resamples), "seeds": sorted(diffs)}
         comparison[f"{first} - {second}"] = by_rate
     return comparison
+
+
+def form_regret_differences(cells: dict[str, dict[float, list[dict]]], rates: list[float], resamples: int) -> dict:
+    """Per pair of `FORM_PAIRS`: the first's regret minus the second's, paired by seed over the seeds both ran at every
+    rate of the grid (issue 40's criterion: the target's regret below the cap's). The best cell cancels from a paired
+    difference of regrets, so it is minus the mean over the rates of (first's final − second's final)."""
+    differences = {}
+    for first, second in FORM_PAIRS:
+        if first not in cells or second not in cells or not all(r in cells[first] and r in cells[second] for r in rates):
+            continue
+        finals = {m: {rate: {r["seed"]: r["final"] for r in cells[m][rate]} for rate in rates} for m in (first, second)}
+        seeds = sorted(set.intersection(*(set(finals[m][rate]) for m in (first, second) for rate in rates)))
+        if seeds:
+            values = [-statistics.fmean(finals[first][rate][seed] - finals[second][rate][seed] for rate in rates)
+                      for seed in seeds]
+            differences[f"{first} - {second}"] = {"mean": statistics.fmean(values),
+                                                  "ci": bootstrap_ci(values, resamples), "seeds": seeds}
+    return differences
 
 
 def form_table(comparison: dict) -> str:
@@ -634,6 +653,12 @@ def write_summary(args) -> None:
         if summary["forms"]:
             markdown += ["The trust region's two forms at the shipping cadence (every 8th step measured), paired by "
                          "seed at each rate both ran:\n", form_table(summary["forms"]), ""]
+        if summary.get("form_regrets"):
+            markdown += ["Regret difference over the grid, paired by seed (the seeds both ran at every rate):\n",
+                         markdown_table(["pair", "regret difference [95 % CI]", "seeds"],
+                                        [[pair, f"{d['mean']:+.3f} [{d['ci'][0]:+.3f}, {d['ci'][1]:+.3f}]",
+                                          " ".join(map(str, d["seeds"]))]
+                                         for pair, d in summary["form_regrets"].items()]), ""]
         if details["beyond_grid"]:
             markdown += ["Runs outside the grid (not in the regret): final test accuracy per seed\n",
                          markdown_table(["method @ rate", "seed: final"],

@@ -427,6 +427,24 @@ def test_stability_compares_the_trust_regions_forms_seed_by_seed_on_every_seed_b
     assert target_grpo["1e-06"]["mean"] == pytest.approx((0.3 + 0.3) / 2)
 
 
+def test_stability_regret_difference_of_the_forms_is_paired_over_the_seeds_that_ran_every_rate():
+    sys.path.insert(0, str(BENCHMARKS))
+    from stability import form_regret_differences
+
+    def cell(finals):
+        return [{"seed": seed, "final": final} for seed, final in enumerate(finals)]
+
+    cells = {"oblrpo-trust-target-every8": {1e-6: cell([0.9, 0.8, 0.9]), 1e-5: cell([0.9, 0.7, 0.8])},
+             "oblrpo-trust-cap-every8": {1e-6: cell([0.6, 0.6]), 1e-5: cell([0.8, 0.9, 0.8])},
+             "grpo": {1e-6: cell([0.5, 0.6, 0.5])}}  # no run at 1e-5: no regret to compare
+    differences = form_regret_differences(cells, [1e-6, 1e-5], resamples=200)
+    assert set(differences) == {"oblrpo-trust-target-every8 - oblrpo-trust-cap-every8"}
+    entry = differences["oblrpo-trust-target-every8 - oblrpo-trust-cap-every8"]
+    assert entry["seeds"] == [0, 1]  # seed 2 has no cap run at 1e-6
+    assert entry["mean"] == pytest.approx((-(0.3 + 0.1) / 2 - (0.2 - 0.2) / 2) / 2)
+    assert entry["ci"][0] <= entry["mean"] <= entry["ci"][1]
+
+
 def test_stability_tables_never_mix_graders(tmp_path):
     """Runs graded by the current grader replace older ones in a table; older runs alone are shown, but marked."""
     sys.path.insert(0, str(BENCHMARKS))
