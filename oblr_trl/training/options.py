@@ -102,9 +102,8 @@ class OBLRPOOptions:
         metadata={
             "help": "Sequences per forward and backward of the per-sample gradient norms ('exact' weights, "
             "'per_sample' SNR). Without (non-reentrant) gradient checkpointing that pass holds every layer's "
-            "activations for its chunk: a smaller value trades speed for memory. None: on a CUDA device as many as "
-            "fit in the memory the step already needed and freed (its peak so far minus what is allocated), at least "
-            "per_device_train_batch_size; elsewhere per_device_train_batch_size."
+            "activations for its chunk: a smaller value trades speed for memory. None: on CUDA as many as fit "
+            "under the run's peak memory so far, elsewhere per_device_train_batch_size."
         },
     )
 
