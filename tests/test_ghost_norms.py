@@ -6,6 +6,7 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
+from oblr_trl.estimators import ghost_norms
 from oblr_trl.estimators.ghost_norms import log_likelihood_grad_sq_norms
 from oblr_trl.estimators.per_sample import per_sample_grad_sq_norms
 from oblr_trl.testing import tiny_causal_lm
@@ -57,6 +58,27 @@ def check(model, tokenizer, temperature=0.8):
 def test_full_model_matches_the_per_row_loop(tokenizer, architecture, tied):
     model = tiny_causal_lm(tokenizer, architecture, tie_word_embeddings=tied, seed=3)
     check(model, tokenizer)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("sequences", [1, 3])
+def test_the_head_in_blocks_of_sequences_matches_the_per_row_loop(tokenizer, monkeypatch, sequences, tied):
+    """The LM head's backward takes as many sequences at a time as `_HEAD_BLOCK_BYTES` of logits hold: blocks of one,
+    and of 3 of the batch's 4 (a last, shorter block), give the per-row loop's norms."""
+    ids, mask, keep, scale = padded_batch(tokenizer)
+    monkeypatch.setattr(ghost_norms, "_HEAD_BLOCK_BYTES", sequences * 4 * keep * len(tokenizer))
+    blocks = []
+    original = ghost_norms._matmul_fp32
+
+    def record(a, b):
+        if b.shape[-1] == len(tokenizer):  # the head's logits: (sequences × tokens, V)
+            blocks.append(a.shape[0] // keep)
+        return original(a, b)
+
+    monkeypatch.setattr(ghost_norms, "_matmul_fp32", record)
+    model = tiny_causal_lm(tokenizer, "llama", tie_word_embeddings=tied, seed=3)
+    check(model, tokenizer)
+    assert blocks == {1: [1, 1, 1, 1], 3: [3, 1]}[sequences]
 
 
 @pytest.mark.parametrize("architecture", ["llama", "qwen2", "qwen3"])

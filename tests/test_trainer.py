@@ -268,7 +268,7 @@ def test_per_sample_batch_size_sets_the_chunks_of_the_norm_pass(make_trainer, mo
         chunks.clear()
         trainer = make_trainer(baseline_weights="exact", per_sample_batch_size=size)
         norms[size] = trainer.completion_weights.grad_sq_norms(batch, scale)
-        assert chunks == {None: [4, 2], 1: [1] * 6, 5: [5, 1]}[size]  # None: per_device_train_batch_size (4)
+        assert chunks == {None: [6], 1: [1] * 6, 5: [5, 1]}[size]  # None: `rows_per_pass`, all 6 on a CPU
     assert torch.allclose(norms[1], norms[None], rtol=1e-5) and torch.allclose(norms[5], norms[None], rtol=1e-5)
 
 
@@ -289,30 +289,36 @@ def test_without_per_sample_batch_size_the_chunks_come_from_rows_per_pass(make_t
     assert asked == [(7, 4, 0)] and chunks == [3, 3, 1]
 
 
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
 @pytest.mark.parametrize(
-    "peak_gib, expected",
-    [(0.0, 4), (100.0, 64), (None, None)],  # nothing freed: a micro-batch; room for all; in between: what fits
+    "room, expected",
+    [(0, 4), (2**50, 64), (None, None)],  # no room: a micro-batch; room for all; in between: what fits
     ids=["no-room", "room-for-all", "what-fits"],
 )
-def test_rows_per_pass_fill_the_memory_freed_under_the_step_peak_on_cuda(make_trainer, monkeypatch, peak_gib,
-                                                                         expected):
-    """On CUDA the pass takes as many rows as fit in 80 % of (peak so far − allocated now) at `pass_bytes_per_row`,
-    at least a micro-batch, at most every row; the CPU twin of what an H100 run decides (no GPU needed: the
-    allocator's two readings are replaced)."""
+def test_rows_per_pass_fill_the_memory_the_device_has_room_for(make_trainer, monkeypatch, device, room, expected):
+    """The pass takes as many rows as fit at `pass_bytes_per_row`, at least a micro-batch, at most every row: on CUDA
+    in 80 % of (peak so far − allocated now), on a CPU in half of the available memory; on other devices a
+    micro-batch. The CPU twin of what an H100 run decides (no GPU needed: the memory readings are replaced)."""
     from types import SimpleNamespace
+
+    import psutil
 
     from oblr_trl.estimators.ghost_norms import pass_bytes_per_row
 
     trainer = make_trainer(baseline_weights="exact")
     weights = trainer.completion_weights
     per_row = pass_bytes_per_row(weights.policy.config, 96, 4, 2)
-    if peak_gib is None:  # room for 10 rows at 80 %
-        peak_gib, expected = (2 * 2**30 + 10 * per_row / 0.8 + 1) / 2**30, 10
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: int(peak_gib * 2**30))
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 2 * 2**30 if peak_gib else 0)
-    on_gpu = SimpleNamespace(device=torch.device("cuda"), size=lambda dim: (64, 96)[dim])
-    assert weights.rows_per_pass(on_gpu, 4, 2) == expected
-    assert weights.rows_per_pass(torch.zeros(64, 96, dtype=torch.long), 4, 2) == 4  # CPU: the micro-batch
+    share = {"cuda": 0.8, "cpu": 0.5}[device]
+    if room is None:  # room for 10 rows
+        room, expected = int(10 * per_row / share) + 1, 10
+    allocated = 2 * 2**30
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: allocated + room)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: allocated)
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=room))
+    ids = SimpleNamespace(device=torch.device(device), size=lambda dim: (64, 96)[dim])
+    assert weights.rows_per_pass(ids, 4, 2) == expected
+    elsewhere = SimpleNamespace(device=torch.device("meta"), size=lambda dim: (64, 96)[dim])
+    assert weights.rows_per_pass(elsewhere, 4, 2) == 4
 
 
 def test_exact_weights_train_a_model_with_tied_embeddings(make_trainer, tokenizer):

@@ -41,7 +41,10 @@ from torch.profiler import record_function
 
 __all__ = ["log_likelihood_grad_sq_norms", "pass_bytes_per_row"]
 
-_HEAD_CHUNK = 4096  # vocabulary-sized rows of the LM head processed at once per sequence
+# the float32 logits the LM head's backward holds at once: as many sequences as fit, at least one. One sequence at a
+# time left each of its products a few dozen rows tall: on 2 CPU cores the head took twice as long as in blocks of 4
+# sequences (24 completion tokens, SmolLM2's 49 152 words)
+_HEAD_BLOCK_BYTES = 64 * 2**20
 
 
 def pass_bytes_per_row(config, tokens: int, element_size: int, checkpointed_layers: int) -> int:
@@ -58,10 +61,10 @@ def pass_bytes_per_row(config, tokens: int, element_size: int, checkpointed_laye
     (SDPA and flash attention keep none); the gradients of the layer being differentiated are as large again. Plus the
     float32 gradients of the input embeddings and of the head's hidden states (2·T·d·4), and one linear layer's
     float32 contraction at a time (two T×T Gram matrices, or the materialised d_out×d_in gradient where that is
-    smaller: `_linear_sq`). The head's logits are computed one sequence at a time, whatever the rows. Used to size the
-    pass's chunks from the memory left under the step's peak: an overestimate only makes the chunks smaller. e: the
-    larger of the parameters' and the autocast dtype's sizes (under autocast a float32 model's residual stream, which
-    the checkpoints keep, stays float32). On a Llama of 8 layers (d 64, 200 tokens, CPU) a row measured 1.34 MB
+    smaller: `_linear_sq`). The head's logits take at most a fixed 64 MiB at a time (`_HEAD_BLOCK_BYTES`), whatever
+    the rows. Used to size the pass's chunks from the memory left under the step's peak: an overestimate only makes
+    the chunks smaller. e: the larger of the parameters' and the autocast dtype's sizes (under autocast a float32
+    model's residual stream, which the checkpoints keep, stays float32). On a Llama of 8 layers (d 64, 200 tokens, CPU) a row measured 1.34 MB
     checkpointed (estimate 2.18 MB) and 7.21 MB without (8.33 MB).
     """
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -164,9 +167,9 @@ class _LogLikelihoodHead(torch.autograd.Function):
     """The gradient of Σ_t s_t log softmax(c(h_t Wᵀ) / T)[y_t] per row, c the optional logit soft-cap.
 
     Only the objective's gradient is ever used (the pass differentiates it; its value is never read), so the forward
-    returns zeros and computes nothing. The backward computes the logits one sequence at a time and, from the same
-    probabilities, adds the LM head's per-sample term (and keeps what the tied cross term needs) to ``norms``. With a
-    soft-cap, the gradient w.r.t. the raw logits z is the one w.r.t. the capped logits times c'(z) = 1 − tanh²(z/cap).
+    returns zeros and computes nothing. The backward computes the logits a block of sequences at a time (as many as
+    `_HEAD_BLOCK_BYTES` of float32 logits hold) and, from the same probabilities, adds the LM head's per-sample term
+    (and keeps what the tied cross term needs) to ``norms``. With a soft-cap, the gradient w.r.t. the raw logits z is the one w.r.t. the capped logits times c'(z) = 1 − tanh²(z/cap).
     The logits and the head's contractions are multiplied in the precision the model's own head would use (its
     weight's, or autocast's when the pass runs under it, as the training forward does) with float32 accumulation and
     result where the device can (`_matmul_fp32`), else in float32; softmax and everything after it in float32.
@@ -186,23 +189,31 @@ class _LogLikelihoodHead(torch.autograd.Function):
         hidden, weight, labels, token_scale = ctx.saved_tensors
         dtype = ctx.head_dtype if _half_matmul_returns_fp32(hidden.device.type, ctx.head_dtype) else torch.float32
         w = weight.to(dtype)
-        grad_hidden = torch.zeros_like(hidden, dtype=torch.float32)
-        head_sq = torch.zeros(hidden.shape[0], device=hidden.device)
-        for i, (row_hidden, row_labels) in enumerate(zip(hidden, labels, strict=True)):
-            row_hidden = row_hidden.to(dtype)
-            raw = _matmul_fp32(row_hidden, w.T)
+        rows, tokens = labels.shape
+        grad_hidden = torch.empty_like(hidden, dtype=torch.float32)
+        head_sq = torch.zeros(rows, device=hidden.device)
+        block = max(1, _HEAD_BLOCK_BYTES // (4 * tokens * w.shape[0]))
+        for start in range(0, rows, block):
+            at = slice(start, start + block)
+            block_hidden = hidden[at].to(dtype)
+            raw = _matmul_fp32(block_hidden.flatten(0, 1), w.T).unflatten(0, block_hidden.shape[:2])  # (b, T, V)
             probs = torch.softmax(_softcapped(raw, ctx.softcap) / ctx.temperature, -1)
-            delta = -probs
-            delta[torch.arange(len(row_labels)), row_labels] += 1.0
-            delta *= (grad_output[i] * token_scale[i] / ctx.temperature).unsqueeze(-1)  # ∂objective/∂logits
+            delta = probs.neg_()
+            chosen = labels[at].unsqueeze(-1)
+            delta.scatter_add_(-1, chosen, torch.ones_like(chosen, dtype=delta.dtype))
+            delta *= (grad_output[at, None] * token_scale[at] / ctx.temperature).unsqueeze(-1)  # ∂objective/∂logits
             if ctx.softcap is not None:
                 delta *= 1.0 - torch.tanh(raw / ctx.softcap).square()  # ∂objective/∂(raw logits)
             delta_in = delta.to(w.dtype)
-            grad_hidden[i] = _matmul_fp32(delta_in, w)
+            grad_hidden[at] = _matmul_fp32(delta_in.flatten(0, 1), w).view_as(block_hidden)
             if ctx.head_trainable:
-                head_sq[i] = (_matmul_fp32(row_hidden, row_hidden.T) * _matmul_fp32(delta_in, delta_in.T)).sum()
+                gram_hidden = _matmul_fp32(block_hidden, block_hidden.transpose(1, 2))
+                head_sq[at] = (gram_hidden * _matmul_fp32(delta_in, delta_in.transpose(1, 2))).sum((1, 2))
             if ctx.tied_ids is not None:
-                ctx.norms.head_cross[i] = (delta[:, ctx.tied_ids[i]], row_hidden.float())
+                ids = ctx.tied_ids[at]
+                delta_at_ids = delta.gather(-1, ids.unsqueeze(1).expand(-1, tokens, -1))  # (b, T, L)
+                for i, row in enumerate(range(start, min(start + block, rows))):
+                    ctx.norms.head_cross[row] = (delta_at_ids[i], block_hidden[i].float())
         ctx.norms.add(head_sq)
         return grad_hidden.to(hidden.dtype), None, None, None, None, None, None, None, None
 
