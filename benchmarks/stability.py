@@ -172,6 +172,11 @@ TRANSFERS = {
             "rate_screen": [1e-6, 3e-6, 1e-5, 3e-5]},
 }
 TRANSFER = {"seeds": [0, 1, 2], "steps": 40, "rate_seeds": [10, 11]}
+# issue 40's second task for choosing the trust region's form: a + b's transfer problems (products of operands 0…14),
+# the whole grid ÷10 … ×10 around GRPO's best rate there (3e-6, screened on validation seeds above), δ unchanged; its
+# own folder, with no transfer of its own
+A_TIMES_B = {**TRANSFERS["a+b"]["problems"], "folder": "stability-products", "grid": [3e-7, 1e-6, 3e-6, 1e-5, 3e-5]}
+PROBLEMS["a×b"] = A_TIMES_B
 # more prompts a step and a longer run, so that the calibration window resolves
 RESOLVE = {"rate": 3e-5, "seed": 0, "steps": 60, "config": {"per_device_train_batch_size": 16, "num_generations": 4},
            "methods": ["oblrpo-no-trust", "grpo", "oblrpo-two-sided"], "problems": "a±b"}
@@ -205,6 +210,8 @@ def parse_args(argv=None):
                         help="default: the problems' folder under benchmarks/results (a + b: stability/, a ± b: "
                         "stability-a-pm-b/; resolve runs on a ± b)")
     args = parser.parse_args(argv)
+    if args.part in ("transfer", "transfer-rate") and args.problems not in TRANSFERS:
+        parser.error(f"--problems {args.problems} has no transfer task (those with one: {', '.join(TRANSFERS)})")
     if args.output_dir is None:
         problems = RESOLVE["problems"] if args.part == "resolve" else args.problems
         args.output_dir = str(RESULTS / PROBLEMS[problems]["folder"])
@@ -667,37 +674,39 @@ def write_summary(args) -> None:
     # the transfer of this folder's grid (each grid has its own folder); --problems where no grid has run yet
     source = next((key for key, p in PROBLEMS.items() if grid is not None and p["title"] == grid[1]["problems"]),
                   args.problems)
-    transfer = TRANSFERS[source]
-    task, delta = transfer["problems"], PROBLEMS[source]["trust_region_kl"]
-    screen = sorted((json.loads(p.read_text()) for p in (runs_dir / transfer["runs"]).glob("validation-*.json")),
-                    key=lambda r: (r["learning_rate"], r["seed"]))
-    if screen:
-        by_rate = {}
-        for r in screen:
-            by_rate.setdefault(r["learning_rate"], []).append(r)
-        results["transfer_rate_screen"] = {f"{rate:g}": {r["seed"]: r["accuracy"] for r in runs}
-                                           for rate, runs in by_rate.items()}
-        markdown += [f"## GRPO's best rate on {task['title']} (validation seeds {sorted({r['seed'] for r in screen})}, "
-                     f"validation split; chosen: {task['best_rate']:g})\n",
-                     markdown_table(["lr", "seed: final validation acc.", "mean"],
-                                    [[rate, ", ".join(f"{r['seed']}: {r['accuracy']:.3f}" for r in runs),
-                                      statistics.fmean(r["accuracy"] for r in runs)]
-                                     for rate, runs in by_rate.items()]), ""]
-    transfer_runs = cached_runs(runs_dir / transfer["runs"])
-    transfer_grid = smollm2_grid(transfer_runs, args.bootstrap)
-    if transfer_grid is not None:
-        summary, details = transfer_grid
-        rate_origin = "screened above" if "rate_screen" in transfer else f"taken from {PROBLEMS[source]['title']}"
-        results["transfer"] = {**summary, **details, "task": task, "trust_region_kl": delta,
-                               "grader": learning.grader_of(transfer_runs[0])}
-        sets.append((f"SmolLM2-135M, {task['title']}: δ = {delta:g} carried over", summary, details["rates"]))
-        markdown += [f"## Transfer: δ = {delta:g}, chosen on {PROBLEMS[source]['title']}, unchanged on "
-                     f"{task['title']} (operands 0…{task['max_operand']}, {details['steps']} steps, untrained test "
-                     f"accuracy {details['initial_accuracy']:.3f}; runs in `runs/{transfer['runs']}/`)\n",
-                     grader_warning(transfer_runs),
-                     f"GRPO's best rate ({rate_origin}) and 10× it; cells and regret as above, the regret over these "
-                     "rates only.\n",
-                     cell_table(summary, details["rates"]), ""]
+    transfer = TRANSFERS.get(source)  # a grid with a transfer of its own
+    if transfer is not None:
+        task, delta = transfer["problems"], PROBLEMS[source]["trust_region_kl"]
+        screen = sorted((json.loads(p.read_text()) for p in (runs_dir / transfer["runs"]).glob("validation-*.json")),
+                        key=lambda r: (r["learning_rate"], r["seed"]))
+        if screen:
+            by_rate = {}
+            for r in screen:
+                by_rate.setdefault(r["learning_rate"], []).append(r)
+            results["transfer_rate_screen"] = {f"{rate:g}": {r["seed"]: r["accuracy"] for r in runs}
+                                               for rate, runs in by_rate.items()}
+            seeds = sorted({r["seed"] for r in screen})
+            markdown += [f"## GRPO's best rate on {task['title']} (validation seeds {seeds}, "
+                         f"validation split; chosen: {task['best_rate']:g})\n",
+                         markdown_table(["lr", "seed: final validation acc.", "mean"],
+                                        [[rate, ", ".join(f"{r['seed']}: {r['accuracy']:.3f}" for r in runs),
+                                          statistics.fmean(r["accuracy"] for r in runs)]
+                                         for rate, runs in by_rate.items()]), ""]
+        transfer_runs = cached_runs(runs_dir / transfer["runs"])
+        transfer_grid = smollm2_grid(transfer_runs, args.bootstrap)
+        if transfer_grid is not None:
+            summary, details = transfer_grid
+            rate_origin = "screened above" if "rate_screen" in transfer else f"taken from {PROBLEMS[source]['title']}"
+            results["transfer"] = {**summary, **details, "task": task, "trust_region_kl": delta,
+                                   "grader": learning.grader_of(transfer_runs[0])}
+            sets.append((f"SmolLM2-135M, {task['title']}: δ = {delta:g} carried over", summary, details["rates"]))
+            markdown += [f"## Transfer: δ = {delta:g}, chosen on {PROBLEMS[source]['title']}, unchanged on "
+                         f"{task['title']} (operands 0…{task['max_operand']}, {details['steps']} steps, untrained test "
+                         f"accuracy {details['initial_accuracy']:.3f}; runs in `runs/{transfer['runs']}/`)\n",
+                         grader_warning(transfer_runs),
+                         f"GRPO's best rate ({rate_origin}) and 10× it; cells and regret as above, the regret over "
+                         "these rates only.\n",
+                         cell_table(summary, details["rates"]), ""]
     if resolve_runs:
         results["resolve"] = [{key: r[key] for key in ("method", "seed", "learning_rate", "accuracy")}
                               | {"auc": learning.auc(r), "lr_factor": r["traces"]["snr/lr_factor"],

@@ -551,6 +551,11 @@ def test_each_problem_set_has_its_own_results_folder_and_a_plus_b_decides():
         BENCHMARKS / "results" / "stability-a-pm-b")
     assert parse_args(["--part", "resolve"]).output_dir == str(BENCHMARKS / "results" / "stability-a-pm-b")
     assert parse_args(["--part", "smollm2", "--output_dir", "elsewhere"]).output_dir == "elsewhere"
+    # issue 40's second task, a grid of its own on a + b's transfer problems, which has no transfer of its own
+    assert parse_args(["--part", "smollm2", "--problems", "a×b"]).output_dir == str(
+        BENCHMARKS / "results" / "stability-products")
+    with pytest.raises(SystemExit):
+        parse_args(["--part", "transfer", "--problems", "a×b"])
 
 
 def test_stability_smoke(saved_tiny_model, tmp_path):
@@ -647,6 +652,18 @@ def test_stability_smoke(saved_tiny_model, tmp_path):
     questions = [json.loads(line)["question"] for line in (sums / "data-products" / "test.jsonl").open()]
     assert len(questions) == 4 and all(" * " in q for q in questions)
     assert "## Transfer: δ = 0.01, chosen on a + b, unchanged on a × b (0…14)" in out and "screened above" in out
+    # the products' own grid (issue 40's second task), δ unchanged, in its own folder and with no transfer
+    products = tmp_path / "products"
+    out = run("stability.py", "--part", "smollm2", "--problems", "a×b", "--model", str(saved_tiny_model), "--steps",
+              "1", "--eval_problems", "4", "--bootstrap", "50", "--methods", "grpo", "oblrpo-trust-target-every8",
+              "--seeds", "0", "--rates", "3e-6", "--output_dir", str(products))
+    summary = json.loads((products / "summary.json").read_text())
+    assert summary["smollm2"]["problems"] == "a × b (0…14)" and "transfer" not in summary
+    assert set(summary["methods"]) >= {"grpo", "oblrpo-trust-target-every8"}
+    products_run = json.loads((products / "runs" / "test-oblrpo-trust-target-every8-lr3e-06-seed0.json").read_text())
+    assert products_run["overrides"]["lr_trust_region_kl"] == 0.01
+    questions = [json.loads(line)["question"] for line in (products / "data-products" / "test.jsonl").open()]
+    assert len(questions) == 4 and all(" * " in q for q in questions)
 
 
 def test_results_record_the_load_average_and_warn_above_the_cores(tmp_path, monkeypatch, capsys):
