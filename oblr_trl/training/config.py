@@ -118,11 +118,11 @@ class OBLRPOConfig(OBLRPOOptions, GRPOConfig):  # this base order keeps GRPOConf
             pass recomputes each layer in its backward as training does and holds one layer's activations at a time
             (on an H100 its peak memory stayed within 1.004× GRPO's step; the recompute makes it 30–55 % slower).
             Otherwise it holds every layer's activations for its chunk, so a smaller value trades speed for peak
-            memory. `None`: on a CUDA device, as many sequences as fit in 80 % of the memory the run has already
-            needed and freed again (its peak so far minus what is allocated now; `estimators.ghost_norms.
-            pass_bytes_per_row` estimates a sequence's share from above), and never fewer than
-            `per_device_train_batch_size`: fewer, larger passes without raising the peak; elsewhere
-            `per_device_train_batch_size`.
+            memory. `None`: as many sequences as fit (`estimators.ghost_norms.pass_bytes_per_row` estimates a
+            sequence's share from above), never fewer than `per_device_train_batch_size` — on a CUDA device in 80 % of
+            the memory the run has already needed and freed again (its peak so far minus what is allocated now):
+            fewer, larger passes without raising the peak; on a CPU in half of the memory the system has available;
+            elsewhere `per_device_train_batch_size`.
 
         > Parameters that control the SNR-driven learning rate
 
