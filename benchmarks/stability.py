@@ -398,13 +398,14 @@ def grader_warning(runs: list[dict]) -> str:
             "now.**\n")
 
 
-def smollm2_grid(runs: list[dict], resamples: int) -> tuple[dict, dict] | None:
+def smollm2_grid(runs: list[dict], resamples: int, problems: dict | None = None) -> tuple[dict, dict] | None:
     """The grid's summary (`grid_summary`) and what it was measured on, from one folder's test runs; None before the
-    untrained model and a first grid run are there."""
+    untrained model and a first grid run are there. ``problems``: the problem set, where its title does not say which
+    (a transfer's problems may have a grid of their own elsewhere: a + b's products)."""
     initial = next((r for r in runs if r["method"] == "initial"), None)
     if initial is None:
         return None
-    problems = problems_of([initial])
+    problems = problems or problems_of([initial])
     rates = problems.get("grid")  # the transfer has no grid: its two rates are all there is
     grid, beyond = [], []
     for r in runs:
@@ -693,7 +694,7 @@ def write_summary(args) -> None:
                                           statistics.fmean(r["accuracy"] for r in runs)]
                                          for rate, runs in by_rate.items()]), ""]
         transfer_runs = cached_runs(runs_dir / transfer["runs"])
-        transfer_grid = smollm2_grid(transfer_runs, args.bootstrap)
+        transfer_grid = smollm2_grid(transfer_runs, args.bootstrap, problems=task)
         if transfer_grid is not None:
             summary, details = transfer_grid
             rate_origin = "screened above" if "rate_screen" in transfer else f"taken from {PROBLEMS[source]['title']}"

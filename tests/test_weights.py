@@ -217,7 +217,8 @@ def test_exact_weights_are_measured_only_where_rewards_differ(make_trainer):
     assert len(batches) == 2
     for used, every, measure in batches:
         assert measure.tolist() == [False] * 4 + [True] * 4  # prompts 0+0= (alike), 0+1=; then 0+2=, 0+3=
-        assert torch.equal(used[measure], every[measure]) and used[~measure].isnan().all()
+        # the same rows, passed with or without the others (chunks of other shapes): equal to float32 rounding
+        assert torch.allclose(used[measure], every[measure], rtol=1e-5) and used[~measure].isnan().all()
     # per generation batch: 4 measured rows (its spread group), then all 8 (the comparison above)
     assert measured_rows == [4, 8, 4, 8]
     fractions = [log["oblr/weights/measured_frac"] for log in trainer.state.log_history if "loss" in log]

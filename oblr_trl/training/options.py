@@ -102,9 +102,8 @@ class OBLRPOOptions:
         metadata={
             "help": "Sequences per forward and backward of the per-sample gradient norms ('exact' weights, "
             "'per_sample' SNR). Without (non-reentrant) gradient checkpointing that pass holds every layer's "
-            "activations for its chunk: a smaller value trades speed for memory. None: as many as fit, on CUDA "
-            "under the run's peak memory so far, on a CPU in half the available memory; elsewhere "
-            "per_device_train_batch_size."
+            "activations for its chunk: a smaller value trades speed for memory. None: as many as fit (CUDA: "
+            "under the run's peak so far; CPU: half the free memory)."
         },
     )
 
