@@ -44,6 +44,7 @@ Seven parts, each resumable and each writing into the one summary:
     python benchmarks/stability.py --part transfer-rate  # GRPO's best rate on a × b (0…14), validation seeds
     python benchmarks/stability.py --part transfer       # 9 runs on a × b and the untrained model; resumes
     python benchmarks/stability.py --part smollm2 --problems a±b   # the a ± b grid (results/stability-a-pm-b/)
+    python benchmarks/stability.py --part smollm2 --problems a×b   # the products' grid (results/stability-products/)
     python benchmarks/stability.py --part resolve        # 3 longer runs on a ± b (16 completions × 60 steps); resumes
     python benchmarks/stability.py --part summary        # rewrite the summary from what has been run
 """
