@@ -703,8 +703,8 @@ def write_summary(args) -> None:
                                    "grader": learning.grader_of(transfer_runs[0])}
             sets.append((f"SmolLM2-135M, {task['title']}: δ = {delta:g} carried over", summary, details["rates"]))
             markdown += [f"## Transfer: δ = {delta:g}, chosen on {PROBLEMS[source]['title']}, unchanged on "
-                         f"{task['title']} (operands 0…{task['max_operand']}, {details['steps']} steps, untrained test "
-                         f"accuracy {details['initial_accuracy']:.3f}; runs in `runs/{transfer['runs']}/`)\n",
+                         f"{task['title']} (operands 0…{task['max_operand']}, {details['steps']} steps, untrained "
+                         f"test accuracy {details['initial_accuracy']:.3f}; runs in `runs/{transfer['runs']}/`)\n",
                          grader_warning(transfer_runs),
                          f"GRPO's best rate ({rate_origin}) and 10× it; cells and regret as above, the regret over "
                          "these rates only.\n",

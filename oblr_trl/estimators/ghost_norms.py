@@ -64,8 +64,8 @@ def pass_bytes_per_row(config, tokens: int, element_size: int, checkpointed_laye
     smaller: `_linear_sq`). The head's logits take at most a fixed 64 MiB at a time (`_HEAD_BLOCK_BYTES`), whatever
     the rows. Used to size the pass's chunks from the memory left under the step's peak: an overestimate only makes
     the chunks smaller. e: the larger of the parameters' and the autocast dtype's sizes (under autocast a float32
-    model's residual stream, which the checkpoints keep, stays float32). On a Llama of 8 layers (d 64, 200 tokens, CPU) a row measured 1.34 MB
-    checkpointed (estimate 2.18 MB) and 7.21 MB without (8.33 MB).
+    model's residual stream, which the checkpoints keep, stays float32). On a Llama of 8 layers (d 64, 200 tokens,
+    CPU) a row measured 1.34 MB checkpointed (estimate 2.18 MB) and 7.21 MB without (8.33 MB).
     """
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     hidden, layers = text.hidden_size, text.num_hidden_layers
@@ -169,7 +169,8 @@ class _LogLikelihoodHead(torch.autograd.Function):
     Only the objective's gradient is ever used (the pass differentiates it; its value is never read), so the forward
     returns zeros and computes nothing. The backward computes the logits a block of sequences at a time (as many as
     `_HEAD_BLOCK_BYTES` of float32 logits hold) and, from the same probabilities, adds the LM head's per-sample term
-    (and keeps what the tied cross term needs) to ``norms``. With a soft-cap, the gradient w.r.t. the raw logits z is the one w.r.t. the capped logits times c'(z) = 1 − tanh²(z/cap).
+    (and keeps what the tied cross term needs) to ``norms``. With a soft-cap, the gradient w.r.t. the raw logits z is
+    the one w.r.t. the capped logits times c'(z) = 1 − tanh²(z/cap).
     The logits and the head's contractions are multiplied in the precision the model's own head would use (its
     weight's, or autocast's when the pass runs under it, as the training forward does) with float32 accumulation and
     result where the device can (`_matmul_fp32`), else in float32; softmax and everything after it in float32.
@@ -212,8 +213,8 @@ class _LogLikelihoodHead(torch.autograd.Function):
             if ctx.tied_ids is not None:
                 ids = ctx.tied_ids[at]
                 delta_at_ids = delta.gather(-1, ids.unsqueeze(1).expand(-1, tokens, -1))  # (b, T, L)
-                for i, row in enumerate(range(start, min(start + block, rows))):
-                    ctx.norms.head_cross[row] = (delta_at_ids[i], block_hidden[i].float())
+                for i in range(len(ids)):
+                    ctx.norms.head_cross[start + i] = (delta_at_ids[i], block_hidden[i].float())
         ctx.norms.add(head_sq)
         return grad_hidden.to(hidden.dtype), None, None, None, None, None, None, None, None
 
