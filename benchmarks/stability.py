@@ -125,8 +125,9 @@ for _every in (4, 8):
         {"lr_trust_region_kl": PROBLEMS_DELTA, "lr_trust_region_mode": "cap", "lr_trust_region_measure_steps": _every},
         TRL_SCHEDULE)
 # issue 40 at the cadence that ships (every 8th step since 2026-11-27): the target form on OBLR-PO's advantages (the
-# candidate default), and the cap on GRPO's (what OBLR-PO adds on top of the trust region)
-for _advantages, _form, _base in (("oblrpo", "target", {}), ("grpo", "cap", GRPO_AS_OBLRPO)):
+# candidate default), and the cap and the target on GRPO's (what OBLR-PO adds on top of the trust region)
+for _advantages, _form, _base in (("oblrpo", "target", {}), ("grpo", "cap", GRPO_AS_OBLRPO),
+                                  ("grpo", "target", GRPO_AS_OBLRPO)):
     SMOLLM2_METHODS[f"{_advantages}-trust-{_form}-every8"] = (
         {**_base, "lr_trust_region_kl": PROBLEMS_DELTA, "lr_trust_region_mode": _form, "lr_trust_region_measure_steps": 8},
         TRL_SCHEDULE)
@@ -135,7 +136,7 @@ for _advantages, _form, _base in (("oblrpo", "target", {}), ("grpo", "cap", GRPO
 # beside it, outside the regret
 SMOLLM2 = {"methods": [REFERENCE, "oblrpo", "oblrpo-no-trust", "oblrpo-paper", "grpo-trust-cap", "grpo-trust-target",
                        "oblrpo-trust-cap", "oblrpo-trust-cap-every4", "oblrpo-trust-cap-every8", "oblrpo-trust-target",
-                       "oblrpo-trust-target-every8", "grpo-trust-cap-every8"],
+                       "oblrpo-trust-target-every8", "grpo-trust-cap-every8", "grpo-trust-target-every8"],
            "seeds": [0, 1, 2, 3, 4], "steps": 40, "jobs": 2}
 # a ± b: GRPO's best rate 1e-4 (the learning benchmark), δ = 0.4 (validation seeds 10, 11: per-step KL spanning 8
 # decades, 4.1 nats a token at step 1 and 1e-10 once every group scores alike; 90th percentile 0.42), both measured
