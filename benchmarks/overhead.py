@@ -77,7 +77,7 @@ from common import (  # noqa: E402
 
 VARIANTS = {
     "grpo": None,  # TRL's GRPOTrainer with GRPOConfig defaults
-    # OBLR-PO defaults: logit weights + SNR learning rate + the trust region's cap (its KL forward every 8th step)
+    # OBLR-PO defaults: logit weights + SNR learning rate + the trust region (target form, its KL forward every 8th step)
     "oblrpo": {},
     "oblrpo-no-trust": {"lr_trust_region_kl": None},  # the defaults before 2026-11-26
     "oblrpo-no-snr": {"use_snr_lr": False},

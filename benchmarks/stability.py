@@ -428,7 +428,20 @@ def smollm2_grid(runs: list[dict], resamples: int, problems: dict | None = None)
     twin = defaults_twin(problems)
     if "oblrpo" not in summary["methods"] and twin in summary["methods"]:  # the defaults' runs, under their own name
         summary["methods"]["oblrpo"] = {**summary["methods"][twin], "same_runs_as": twin}
+        details["defaults_range"] = rate_range(grid + beyond, twin, summary["best_cell_final"])
     return summary, details
+
+
+def rate_range(runs: list[dict], method: str, best_cell: float) -> dict:
+    """Every configured rate ``method`` ran at, in the grid and beside it: its mean final test accuracy and that ÷ the
+    grid's best cell (issue 40: how wide a range of configured rates the defaults turn into good runs)."""
+    finals: dict[float, list[float]] = {}
+    for r in runs:
+        if r["method"] == method:
+            finals.setdefault(r["learning_rate"], []).append(r["accuracy"])
+    return {f"{rate:g}": {"final_mean": statistics.fmean(values), "seeds": len(values),
+                          "of_best_cell": statistics.fmean(values) / best_cell}
+            for rate, values in sorted(finals.items())}
 
 
 # issue 40's decision between the trust region's two forms at the shipping cadence, and each against GRPO
@@ -669,6 +682,13 @@ def write_summary(args) -> None:
                                         [[pair, f"{d['mean']:+.3f} [{d['ci'][0]:+.3f}, {d['ci'][1]:+.3f}]",
                                           " ".join(map(str, d["seeds"]))]
                                          for pair, d in summary["form_regrets"].items()]), ""]
+        if details.get("defaults_range"):
+            markdown += [f"The defaults (`{summary['methods']['oblrpo']['same_runs_as']}`) at every configured rate, "
+                         "grid and beside it, against the grid's best cell:\n",
+                         markdown_table(["configured rate", "mean final", "seeds", "÷ best cell"],
+                                        [[rate, f"{cell['final_mean']:.3f}", cell["seeds"],
+                                          f"{cell['of_best_cell']:.2f}"]
+                                         for rate, cell in details["defaults_range"].items()]), ""]
         if details["beyond_grid"]:
             markdown += ["Runs outside the grid (not in the regret): final test accuracy per seed\n",
                          markdown_table(["method @ rate", "seed: final"],

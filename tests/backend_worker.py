@@ -5,7 +5,7 @@
 
 The SNR factor is read as 'absolute' (the paper's, in [snr_lr_floor, 1]) so that it acts within the run's 4 steps; the
 default calibrated reference stays at 1 until its window of 20 steps resolves. Everything else is the defaults,
-the trust region's cap included.
+the trust region's target form included.
 
 Records, for every call of the innermost torch optimizer's `step` (DeepSpeed's ZeRO optimizers call it once per
 param group), the learning rate it actually used (read by a step pre-hook registered after the trainer's), the

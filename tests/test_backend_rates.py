@@ -3,10 +3,11 @@ assertions, on 2 CPU processes (torchrun, gloo, as the equivalence matrix launch
 worker then asks the Trainer for FSDP2 itself: `accelerate launch` keeps a CPU run on DDP whatever its config says).
 A change of defaults that breaks what the GPU test asserts breaks this one first, in CI.
 
-What both check, for every optimizer step of a 4-step run with the defaults (the trust region's cap included):
-the rate the torch optimizer used is the scheduled rate × the SNR factor × the trust-region factor; each factor stays
-in its own bounds (SNR, read as 'absolute': [snr_lr_floor, 1]; the cap: [lr_trust_region_min_ratio, 1]); the first
-step is the trust region's probe; both factors acted; the parameters changed and stayed finite.
+What both check, for every optimizer step of a 4-step run with the defaults (the trust region's target form
+included): the rate the torch optimizer used is the scheduled rate × the SNR factor × the trust-region factor; each
+factor stays in its own bounds (SNR, read as 'absolute': [snr_lr_floor, 1]; the target: [lr_trust_region_min_ratio,
+lr_trust_region_max_ratio]); the first step is the trust region's probe; both factors acted; the parameters changed
+and stayed finite.
 """
 
 import json
@@ -53,14 +54,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def trust_region_factor_ceiling(mode: str, max_ratio: float) -> float:
+    """The largest trust-region factor of ``mode``: the cap never raises the rate, the target up to ``max_ratio``."""
+    return 1.0 if mode == "cap" else max_ratio
+
+
 def assert_logged_factors_in_bounds(trainer, steps: int) -> None:
     """Each logged factor of a run with the defaults in its own bounds: the calibrated SNR factor in
-    [snr_lr_min_ratio, snr_lr_max_ratio], the cap's in [lr_trust_region_min_ratio, 1], the first step the probe."""
+    [snr_lr_min_ratio, snr_lr_max_ratio], the trust region's in [lr_trust_region_min_ratio, its form's ceiling], the
+    first step the probe."""
     args, history = trainer.args, [log for log in trainer.state.log_history if "snr/lr_factor" in log]
     assert len(history) == steps
+    ceiling = trust_region_factor_ceiling(args.lr_trust_region_mode, args.lr_trust_region_max_ratio)
     for log in history:
         assert args.snr_lr_min_ratio <= log["snr/lr_factor"] <= args.snr_lr_max_ratio
-        assert args.lr_trust_region_min_ratio <= log["oblr/trust_region_factor"] <= 1.0
+        assert args.lr_trust_region_min_ratio <= log["oblr/trust_region_factor"] <= ceiling
     assert history[0]["oblr/trust_region_factor"] == pytest.approx(args.lr_trust_region_min_ratio)
 
 
@@ -69,12 +77,13 @@ def assert_rates_reach_the_optimizer(result: dict) -> None:
     logged, trust = result["logged"], result["trust_region"]
     # one entry per call of the torch optimizer's step: 4 steps, × the param groups under ZeRO
     assert len(result["used_lrs"]) == len(logged) and len(logged) % 4 == 0
-    assert trust["kl"] is not None and trust["mode"] == "cap"  # the defaults' trust region
+    assert trust["kl"] is not None and trust["mode"] == "target"  # the defaults' trust region
+    ceiling = trust_region_factor_ceiling(trust["mode"], trust["max_ratio"])
     for used, (scheduled, factor, snr_part, trust_part) in zip(result["used_lrs"], logged, strict=True):
         assert factor == pytest.approx(snr_part * trust_part, rel=1e-9)
         assert used == pytest.approx(scheduled * snr_part * trust_part, rel=1e-6)
         assert result["floor"] <= snr_part <= 1.0  # 'absolute': the paper's f_t with its floor
-        assert trust["min_ratio"] <= trust_part <= 1.0  # the cap never raises the rate
+        assert trust["min_ratio"] <= trust_part <= ceiling
     groups = len(logged) // 4
     assert logged[0][3] == pytest.approx(trust["min_ratio"])  # the first step is the probe
     assert any(snr_part < 1.0 for _, _, snr_part, _ in logged)  # the SNR factor was measured, not left at 1

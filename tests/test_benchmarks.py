@@ -508,7 +508,7 @@ def test_the_grid_reports_the_defaults_from_the_trust_region_runs_that_are_them(
     overrides = SMOLLM2_METHODS[twin][0]
     assert overrides["lr_trust_region_mode"] == OBLRPOConfig.lr_trust_region_mode
     assert overrides.get("lr_trust_region_measure_steps", 1) == OBLRPOConfig.lr_trust_region_measure_steps
-    assert twin in ("oblrpo-trust-cap", "oblrpo-trust-cap-every4", "oblrpo-trust-cap-every8")
+    assert twin == "oblrpo-trust-target-every8"
 
     def runs(problems, method):
         made = [{"method": "initial", "accuracy": 0.5, "problems": problems["title"], "learning_rate": 0.0, "seed": 0}]
@@ -518,12 +518,18 @@ def test_the_grid_reports_the_defaults_from_the_trust_region_runs_that_are_them(
                              "problems": problems["title"], "traces": {"snr/lr_factor": [1.0] * 3}})
         return made
 
-    summary, _ = smollm2_grid(runs(A_PLUS_B, twin), resamples=20)
+    beside = {"method": twin, "learning_rate": 1e-3, "seed": 0, "accuracy": 0.3, "reward": [0.5] * 3,
+              "problems": A_PLUS_B["title"], "traces": {"snr/lr_factor": [1.0] * 3}}
+    summary, details = smollm2_grid([*runs(A_PLUS_B, twin), beside], resamples=20)
     assert summary["methods"]["oblrpo"]["same_runs_as"] == twin
     assert summary["methods"]["oblrpo"]["by_lr"] == summary["methods"][twin]["by_lr"]
-    other = next(name for name in ("oblrpo-trust-cap", "oblrpo-trust-cap-every4") if name != twin)
-    summary, _ = smollm2_grid(runs(A_PLUS_B, other), resamples=20)  # another cadence is not the defaults
-    assert "oblrpo" not in summary["methods"]
+    # every configured rate the defaults ran at, the one beside the grid included, against the grid's best cell
+    rates = details["defaults_range"]
+    assert list(rates) == [f"{r:g}" for r in A_PLUS_B["grid"][:2]] + ["0.001"]
+    assert rates["0.001"]["of_best_cell"] == pytest.approx(0.5) and rates["1e-06"]["of_best_cell"] == pytest.approx(1)
+    for other in ("oblrpo-trust-target", "oblrpo-trust-cap-every8"):  # another cadence, another form: not the defaults
+        summary, _ = smollm2_grid(runs(A_PLUS_B, other), resamples=20)
+        assert "oblrpo" not in summary["methods"]
     summary, _ = smollm2_grid(runs(A_PLUS_MINUS_B, twin), resamples=20)
     assert "oblrpo" not in summary["methods"]
     # and the grid does not run the defaults twice under two names
@@ -535,7 +541,7 @@ def test_the_grid_reports_the_defaults_from_the_trust_region_runs_that_are_them(
     # the synthetic testbed's `oblrpo` predates the trust region: its summary names the method that is the defaults
     from stability import synthetic_defaults_line
 
-    assert "are `oblrpo-trust-cap`" in synthetic_defaults_line()
+    assert "are `oblrpo-trust-target`" in synthetic_defaults_line()
 
 
 def test_each_problem_set_has_its_own_results_folder_and_a_plus_b_decides():

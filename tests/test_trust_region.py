@@ -399,14 +399,15 @@ def test_each_trust_region_option_changes_the_factor(make_trainer):
     off = make_trainer(lr_trust_region_kl=None, **common)
     off.train()
     assert off.kl_recorder is None and _factors(off) == [None] * 3
-    default = make_trainer(**common)  # the cap with δ = 0.01: the probe, then a factor the measured KL sets
-    assert (default.kl_recorder.rule.target_kl, default.kl_recorder.rule.mode) == (0.01, "cap")
+    default = make_trainer(**common)  # the target with δ = 0.01: the probe, then a factor the measured KL sets
+    assert (default.kl_recorder.rule.target_kl, default.kl_recorder.rule.mode) == (0.01, "target")
     default.train()
-    assert _factors(default)[0] == 0.01 and all(0.01 <= g <= 1.0 for g in _factors(default))
+    assert _factors(default)[0] == 0.01 and all(0.01 <= g <= 10.0 for g in _factors(default))
     floor = make_trainer(lr_trust_region_kl=1e-12, lr_trust_region_min_ratio=0.2, **common)
     floor.train()
     assert _factors(floor) == [0.2, 0.2, 0.2]  # the probe, then the floor
-    generous = make_trainer(lr_trust_region_kl=10.0, **common)  # cap: a δ no step reaches leaves the rate alone
+    generous = make_trainer(lr_trust_region_kl=10.0, lr_trust_region_mode="cap", **common)  # a δ no step reaches:
+    # the cap leaves the rate alone
     generous.train()
     assert _factors(generous) == [0.01, 1.0, 1.0]
     raised = make_trainer(lr_trust_region_kl=10.0, lr_trust_region_mode="target", lr_trust_region_max_ratio=3.0,
