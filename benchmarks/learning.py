@@ -194,6 +194,7 @@ def run_child(spec: dict) -> dict:
         # how many of a step's completions its KL was measured on (None: all; runs before 2026-11-26 measured all)
         result["lr_trust_region_sample_size"] = getattr(trainer.args, "lr_trust_region_sample_size", None)
         result["lr_trust_region_measure_steps"] = getattr(trainer.args, "lr_trust_region_measure_steps", None)
+        result["lr_trust_region_mode"] = getattr(trainer.args, "lr_trust_region_mode", None)
     return result
 
 
@@ -213,28 +214,32 @@ def graded_now(path: Path) -> bool:
     return path.exists() and grader_of(json.loads(path.read_text())) == GRADER_VERSION
 
 
-def recorded_trust_region(run: dict) -> tuple[float | None, int | None]:
-    """The δ of the trust region a run used and every how many steps it measured the KL (None without one). Runs
-    recorded before 2026-11-26 carry no δ: their overrides say, and without one they ran without a trust region, the
-    default then; runs recorded before the end of 2026-11-26 carry no cadence: their overrides say, else every step."""
+def recorded_trust_region(run: dict) -> tuple[float | None, int | None, str | None]:
+    """The δ of the trust region a run used, every how many steps it measured the KL and its form (None without
+    one). Runs recorded before 2026-11-26 carry no δ: their overrides say, and without one they ran without a trust
+    region, the default then; runs recorded before the end of 2026-11-26 carry no cadence: their overrides say, else
+    every step; runs recorded before 2026-11-28 carry no form: their overrides say, else the cap, the default then."""
     overrides = run.get("overrides") or {}
     kl = run.get("lr_trust_region_kl", overrides.get("lr_trust_region_kl"))
     if kl is None:
-        return None, None
-    return kl, run.get("lr_trust_region_measure_steps", overrides.get("lr_trust_region_measure_steps", 1))
+        return None, None, None
+    return (kl, run.get("lr_trust_region_measure_steps", overrides.get("lr_trust_region_measure_steps", 1)),
+            run.get("lr_trust_region_mode", overrides.get("lr_trust_region_mode", "cap")))
 
 
-def requested_trust_region(spec: dict) -> tuple[float | None, int | None]:
-    """The δ and measuring cadence a spec asks for: its overrides, else OBLRPOConfig's defaults; GRPO and the
+def requested_trust_region(spec: dict) -> tuple[float | None, int | None, str | None]:
+    """The δ, measuring cadence and form a spec asks for: its overrides, else OBLRPOConfig's defaults; GRPO and the
     untrained model none."""
     if spec.get("overrides") is None:
-        return None, None
+        return None, None, None
     from oblr_trl import OBLRPOConfig
 
-    kl = spec["overrides"].get("lr_trust_region_kl", OBLRPOConfig.lr_trust_region_kl)
+    overrides = spec["overrides"]
+    kl = overrides.get("lr_trust_region_kl", OBLRPOConfig.lr_trust_region_kl)
     if kl is None:
-        return None, None
-    return kl, spec["overrides"].get("lr_trust_region_measure_steps", OBLRPOConfig.lr_trust_region_measure_steps)
+        return None, None, None
+    return (kl, overrides.get("lr_trust_region_measure_steps", OBLRPOConfig.lr_trust_region_measure_steps),
+            overrides.get("lr_trust_region_mode", OBLRPOConfig.lr_trust_region_mode))
 
 
 def current(path: Path, spec: dict) -> bool:

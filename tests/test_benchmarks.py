@@ -464,7 +464,8 @@ def test_stability_tables_never_mix_graders(tmp_path):
 def test_a_cached_run_of_the_defaults_is_rerun_when_their_trust_region_changes(tmp_path):
     """`oblrpo` names the defaults: a run cached before the trust region became one (no δ recorded, no override) is
     not reused for it, while a run that recorded the default δ and cadence, GRPO's run and an explicit `None` are; a
-    run recorded before the cadence was (every step measured) serves a spec that measures every step only."""
+    run recorded before the cadence was (every step measured) serves a spec that measures every step only; one
+    recorded before the form was (the cap) serves a spec that asks for the cap only."""
     sys.path.insert(0, str(BENCHMARKS))
     from learning import current
 
@@ -481,19 +482,27 @@ def test_a_cached_run_of_the_defaults_is_rerun_when_their_trust_region_changes(t
     before = cached("before", method="oblrpo", overrides={})
     assert not current(before, {"method": "oblrpo", "overrides": {}})
     assert current(before, {"method": "oblrpo-no-trust", "overrides": {"lr_trust_region_kl": None}})
-    now = cached("now", method="oblrpo", overrides={}, lr_trust_region_kl=default,
+    mode = OBLRPOConfig.lr_trust_region_mode
+    now = cached("now", method="oblrpo", overrides={}, lr_trust_region_kl=default, lr_trust_region_mode=mode,
                  lr_trust_region_measure_steps=OBLRPOConfig.lr_trust_region_measure_steps)
     assert current(now, {"method": "oblrpo", "overrides": {}})
-    every_step = cached("every_step", method="oblrpo", overrides={}, lr_trust_region_kl=default)
+    every_step = cached("every_step", method="oblrpo", overrides={}, lr_trust_region_kl=default,
+                        lr_trust_region_mode=mode)
     assert current(every_step, {"overrides": {"lr_trust_region_measure_steps": 1}})
     assert not current(every_step, {"overrides": {"lr_trust_region_measure_steps": 4}})
-    assert current(cached("every4", overrides={"lr_trust_region_measure_steps": 4}, lr_trust_region_kl=default),
-                   {"overrides": {"lr_trust_region_measure_steps": 4}})
+    assert current(cached("every4", overrides={"lr_trust_region_measure_steps": 4}, lr_trust_region_kl=default,
+                          lr_trust_region_mode=mode), {"overrides": {"lr_trust_region_measure_steps": 4}})
     assert current(cached("grpo", method="grpo", overrides=None), {"method": "grpo", "overrides": None})
     every = {"lr_trust_region_measure_steps": 1}
     explicit = cached("explicit", method="cap", overrides={"lr_trust_region_kl": 0.4, **every})
-    assert current(explicit, {"overrides": {"lr_trust_region_kl": 0.4, **every}})
-    assert not current(explicit, {"overrides": {"lr_trust_region_kl": default, **every}})
+    assert current(explicit, {"overrides": {"lr_trust_region_kl": 0.4, "lr_trust_region_mode": "cap", **every}})
+    assert not current(explicit, {"overrides": {"lr_trust_region_kl": default, "lr_trust_region_mode": "cap", **every}})
+    # the defaults' form changed on 2026-11-28: a run of the defaults recorded before then (no form: the cap) is
+    # re-run for `oblrpo`, and serves a spec that asks for the cap
+    before_target = cached("before_target", method="oblrpo", overrides={}, lr_trust_region_kl=default,
+                           lr_trust_region_measure_steps=OBLRPOConfig.lr_trust_region_measure_steps)
+    assert mode == "target" and not current(before_target, {"method": "oblrpo", "overrides": {}})
+    assert current(before_target, {"overrides": {"lr_trust_region_mode": "cap"}})
 
 
 def test_the_grid_reports_the_defaults_from_the_trust_region_runs_that_are_them(tmp_path):
