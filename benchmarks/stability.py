@@ -444,9 +444,11 @@ def rate_range(runs: list[dict], method: str, best_cell: float) -> dict:
             for rate, values in sorted(finals.items())}
 
 
-# issue 40's decision between the trust region's two forms at the shipping cadence, and each against GRPO
+# issue 40's decision between the trust region's two forms at the shipping cadence, and each against GRPO; then what
+# OBLR-PO's baseline and SNR factor add on top of the default trust region (the same trust region on GRPO's advantages)
 FORM_PAIRS = [("oblrpo-trust-target-every8", "oblrpo-trust-cap-every8"), ("oblrpo-trust-target-every8", REFERENCE),
-              ("oblrpo-trust-cap-every8", REFERENCE)]
+              ("oblrpo-trust-cap-every8", REFERENCE), ("oblrpo-trust-target-every8", "grpo-trust-target-every8"),
+              ("grpo-trust-target-every8", REFERENCE)]
 
 
 def form_comparison(cells: dict[str, dict[float, list[dict]]], resamples: int) -> dict:

@@ -436,9 +436,14 @@ def test_stability_regret_difference_of_the_forms_is_paired_over_the_seeds_that_
 
     cells = {"oblrpo-trust-target-every8": {1e-6: cell([0.9, 0.8, 0.9]), 1e-5: cell([0.9, 0.7, 0.8])},
              "oblrpo-trust-cap-every8": {1e-6: cell([0.6, 0.6]), 1e-5: cell([0.8, 0.9, 0.8])},
-             "grpo": {1e-6: cell([0.5, 0.6, 0.5])}}  # no run at 1e-5: no regret to compare
+             "grpo": {1e-6: cell([0.5, 0.6, 0.5])},  # no run at 1e-5: no regret to compare
+             "grpo-trust-target-every8": {1e-6: cell([0.8, 0.8, 0.8]), 1e-5: cell([0.8, 0.8, 0.8])}}
     differences = form_regret_differences(cells, [1e-6, 1e-5], resamples=200)
-    assert set(differences) == {"oblrpo-trust-target-every8 - oblrpo-trust-cap-every8"}
+    assert set(differences) == {"oblrpo-trust-target-every8 - oblrpo-trust-cap-every8",
+                                "oblrpo-trust-target-every8 - grpo-trust-target-every8"}
+    # what OBLR-PO adds on top of the default trust region: per seed −(0.1 + 0.1)/2, −(0 − 0.1)/2, −(0.1 + 0)/2
+    added = differences["oblrpo-trust-target-every8 - grpo-trust-target-every8"]
+    assert added["seeds"] == [0, 1, 2] and added["mean"] == pytest.approx((-0.1 + 0.05 - 0.05) / 3)
     entry = differences["oblrpo-trust-target-every8 - oblrpo-trust-cap-every8"]
     assert entry["seeds"] == [0, 1]  # seed 2 has no cap run at 1e-6
     assert entry["mean"] == pytest.approx((-(0.3 + 0.1) / 2 - (0.2 - 0.2) / 2) / 2)
