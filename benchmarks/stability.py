@@ -434,13 +434,14 @@ def smollm2_grid(runs: list[dict], resamples: int, problems: dict | None = None)
 
 def rate_range(runs: list[dict], method: str, best_cell: float) -> dict:
     """Every configured rate ``method`` ran at, in the grid and beside it: its mean final test accuracy and that ÷ the
-    grid's best cell (issue 40: how wide a range of configured rates the defaults turn into good runs)."""
+    grid's best cell (issue 40: how wide a range of configured rates the defaults turn into good runs; None where no
+    cell learned anything)."""
     finals: dict[float, list[float]] = {}
     for r in runs:
         if r["method"] == method:
             finals.setdefault(r["learning_rate"], []).append(r["accuracy"])
     return {f"{rate:g}": {"final_mean": statistics.fmean(values), "seeds": len(values),
-                          "of_best_cell": statistics.fmean(values) / best_cell}
+                          "of_best_cell": statistics.fmean(values) / best_cell if best_cell > 0 else None}
             for rate, values in sorted(finals.items())}
 
 
@@ -689,7 +690,7 @@ def write_summary(args) -> None:
                          "grid and beside it, against the grid's best cell:\n",
                          markdown_table(["configured rate", "mean final", "seeds", "÷ best cell"],
                                         [[rate, f"{cell['final_mean']:.3f}", cell["seeds"],
-                                          f"{cell['of_best_cell']:.2f}"]
+                                          "—" if cell["of_best_cell"] is None else f"{cell['of_best_cell']:.2f}"]
                                          for rate, cell in details["defaults_range"].items()]), ""]
         if details["beyond_grid"]:
             markdown += ["Runs outside the grid (not in the regret): final test accuracy per seed\n",

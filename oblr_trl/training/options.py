@@ -176,19 +176,16 @@ class OBLRPOOptions:
             "measured after a step on its completions (every lr_trust_region_measure_steps-th step); the next step's "
             "rate is the one the smoothed curvature KL/lr² says gives δ (see lr_trust_region_mode); until a step has "
             "moved the policy, the step is a probe at lr_trust_region_min_ratio × the base rate; a step with a zero "
-            "gradient (every group scored alike) moves only by momentum and is not measured. The default 0.01 in the "
-            "'target' form makes the configured rate matter little (measured on two tasks: every rate 1e-6 … 1e-4 "
-            "near the best cell, level with GRPO at its best rate; docs/trust_region.md). None: no trust region and no measuring forward."
+            "gradient (every group scored alike) moves only by momentum and is not measured. The default 0.01 "
+            "('target' form) makes the configured rate matter little (docs/trust_region.md). None: no trust region and no measuring forward."
         },
     )
     lr_trust_region_mode: str = field(
         default="target",
         metadata={
             "help": "'target': the rate follows δ both ways within [lr_trust_region_min_ratio, "
-            "lr_trust_region_max_ratio] × scheduled × SNR factor, so a too-low configured rate (TRL's default 1e-6 "
-            "included) is raised too (never a step with a zero gradient, which Adam's momentum alone drives); "
-            "'cap': lr = min(scheduled × SNR factor, trust-region rate), the configured rate a ceiling that only "
-            "ever lowers it.",
+            "lr_trust_region_max_ratio] × scheduled × SNR factor, so a too-low rate is raised too (never a step "
+            "with a zero gradient); 'cap': min(scheduled × SNR factor, trust-region rate), which only lowers it.",
             "choices": list(TRUST_REGION_MODES),
         },
     )
