@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from oblr_trl.estimators.trust_region import largest_factor
+
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests/backend_worker.py"
 BACKENDS = {
@@ -54,18 +56,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def trust_region_factor_ceiling(mode: str, max_ratio: float) -> float:
-    """The largest trust-region factor of ``mode``: the cap never raises the rate, the target up to ``max_ratio``."""
-    return 1.0 if mode == "cap" else max_ratio
-
-
 def assert_logged_factors_in_bounds(trainer, steps: int) -> None:
     """Each logged factor of a run with the defaults in its own bounds: the calibrated SNR factor in
     [snr_lr_min_ratio, snr_lr_max_ratio], the trust region's in [lr_trust_region_min_ratio, its form's ceiling], the
     first step the probe."""
     args, history = trainer.args, [log for log in trainer.state.log_history if "snr/lr_factor" in log]
     assert len(history) == steps
-    ceiling = trust_region_factor_ceiling(args.lr_trust_region_mode, args.lr_trust_region_max_ratio)
+    ceiling = largest_factor(args.lr_trust_region_mode, args.lr_trust_region_max_ratio)
     for log in history:
         assert args.snr_lr_min_ratio <= log["snr/lr_factor"] <= args.snr_lr_max_ratio
         assert args.lr_trust_region_min_ratio <= log["oblr/trust_region_factor"] <= ceiling
@@ -78,7 +75,7 @@ def assert_rates_reach_the_optimizer(result: dict) -> None:
     # one entry per call of the torch optimizer's step: 4 steps, × the param groups under ZeRO
     assert len(result["used_lrs"]) == len(logged) and len(logged) % 4 == 0
     assert trust["kl"] is not None and trust["mode"] == "target"  # the defaults' trust region
-    ceiling = trust_region_factor_ceiling(trust["mode"], trust["max_ratio"])
+    ceiling = largest_factor(trust["mode"], trust["max_ratio"])
     for used, (scheduled, factor, snr_part, trust_part) in zip(result["used_lrs"], logged, strict=True):
         assert factor == pytest.approx(snr_part * trust_part, rel=1e-9)
         assert used == pytest.approx(scheduled * snr_part * trust_part, rel=1e-6)

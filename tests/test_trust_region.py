@@ -479,6 +479,12 @@ def test_measure_steps_measures_every_k_th_step_of_training(make_trainer):
 
     settings = card_settings(trainer.args, 4, trainer.num_generations, trainer.reward_func_names)
     assert "measured every 2 steps" in settings["learning-rate factor"]
+    # the card states the factor's range of the form the run used
+    assert "(`target`, factor in [0.01, 10]" in settings["learning-rate factor"]
+    capped = copy.copy(trainer.args)
+    capped.lr_trust_region_mode = "cap"
+    assert "(`cap`, factor in [0.01, 1]" in card_settings(capped, 4, trainer.num_generations,
+                                                          trainer.reward_func_names)["learning-rate factor"]
 
 
 def test_resume_restores_the_trust_region(make_trainer, tmp_path):

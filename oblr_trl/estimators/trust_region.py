@@ -49,7 +49,13 @@ import torch
 from .choices import TRUST_REGION_MODES
 from .snr import BiasCorrectedEMA
 
-__all__ = ["TrustRegionRate", "sampled_token_kl"]
+__all__ = ["TrustRegionRate", "largest_factor", "sampled_token_kl"]
+
+
+def largest_factor(mode: str, max_ratio: float) -> float:
+    """The ceiling of the trust-region factor in ``mode``: 1 for ``"cap"`` (η ≤ η_s, never raised) and r_max for
+    ``"target"`` (η ≤ r_max·η_s)."""
+    return 1.0 if mode == "cap" else max_ratio
 
 
 def sampled_token_kl(
@@ -117,8 +123,7 @@ class TrustRegionRate:
         rate = self.rate
         if not math.isfinite(rate):
             return self.min_ratio
-        upper = 1.0 if self.mode == "cap" else self.max_ratio
-        return min(upper, max(self.min_ratio, rate / base_lr))
+        return min(largest_factor(self.mode, self.max_ratio), max(self.min_ratio, rate / base_lr))
 
     def state_dict(self) -> dict[str, Any]:
         return {"curvature": self.curvature.state_dict()}

@@ -177,7 +177,8 @@ class OBLRPOOptions:
             "rate is the one the smoothed curvature KL/lr² says gives δ (see lr_trust_region_mode); until a step has "
             "moved the policy, the step is a probe at lr_trust_region_min_ratio × the base rate; a step with a zero "
             "gradient (every group scored alike) moves only by momentum and is not measured. The default 0.01 "
-            "('target' form) makes the configured rate matter little (docs/trust_region.md). None: no trust region and no measuring forward."
+            "('target' form) makes the configured rate matter little (docs/trust_region.md). None: no trust region "
+            "and no measuring forward."
         },
     )
     lr_trust_region_mode: str = field(

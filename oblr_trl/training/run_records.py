@@ -31,6 +31,7 @@ import torch
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 
+from ..estimators.trust_region import largest_factor
 from .guards import PreemptionSignal, TrainingPreempted
 from .model_card import TOTAL_RUNTIME_KEY, ModelCardFacts, counted, model_card_text
 
@@ -236,7 +237,7 @@ def card_settings(args, max_steps: int, num_generations: int, reward_func_names)
     if args.lr_trust_region_kl is not None:
         rate_rule += (f"; trust region δ = {args.lr_trust_region_kl:g} per token (`{args.lr_trust_region_mode}`, "
                       f"factor in [{args.lr_trust_region_min_ratio:g}, "
-                      f"{1 if args.lr_trust_region_mode == 'cap' else args.lr_trust_region_max_ratio:g}]"
+                      f"{largest_factor(args.lr_trust_region_mode, args.lr_trust_region_max_ratio):g}]"
                       + (f", measured every {args.lr_trust_region_measure_steps} steps)"
                          if args.lr_trust_region_measure_steps > 1 else ")"))
     prompts = per_step // num_generations
