@@ -444,14 +444,15 @@ def step_kl_cadence(trainer, step_kl_seconds: list[float], warmup: int) -> dict:
     The forward runs on the first step and then once every ``lr_trust_region_measure_steps`` steps *with a gradient*
     (`StepKLRecorder._due`: a step whose groups all scored alike has none and does not count), so a short window can
     hold its measurement or miss it. Recorded: its seconds per measurement over the timed steps (None if none fell
-    there), the share of the run's steps with a gradient (TRL's logged ``grad_norm`` > 0), and k."""
+    there), the share of the run's steps with a gradient (TRL's logged ``grad_norm`` > 0), and k. The seconds per
+    measurement count the warm-up steps too (the first step is always measured), so that a cadence longer than the
+    window still has its cost: the step's own work is warm by then (generation and the training forward ran)."""
     steps = [log for log in trainer.state.log_history if "grad_norm" in log]
-    timed = steps[warmup:]
-    measurements = sum("oblr/step_kl" in log for log in timed)
+    measurements = sum("oblr/step_kl" in log for log in steps)
     every = getattr(trainer.args, "lr_trust_region_measure_steps", None)
     measures = every is not None and (trainer.args.lr_trust_region_kl is not None or trainer.args.log_step_kl)
-    return {"step_kl_measure_every": every if measures else None,
-            "step_kl_seconds_per_measurement": sum(step_kl_seconds[warmup:]) / measurements if measurements else None,
+    return {"step_kl_measure_every": every if measures else None, "step_kl_measurements": measurements,
+            "step_kl_seconds_per_measurement": sum(step_kl_seconds) / measurements if measurements else None,
             "gradient_step_frac": statistics.fmean(log["grad_norm"] > 0 for log in steps) if steps else None}
 
 
@@ -553,11 +554,17 @@ def summarise(runs: list[dict], variants: list[str], memory_runs: list[dict] | N
                     "generation_ratio_mean": statistics.fmean(generation_ratios)}
             long_run = long_run_step_kl_seconds(results)
             if long_run is not None:  # each window's measuring forward replaced by its long-run share
-                long_run_ratios = [(r["mean_trainer_seconds"] - r["mean_step_kl_seconds"] + long_run)
-                                   / g["mean_trainer_seconds"] for r, g in zip(results, reference, strict=True)]
+                def long_run_paired(key):
+                    return [(r[key] - r["mean_step_kl_seconds"] + long_run) / g[key]
+                            for r, g in zip(results, reference, strict=True)]
+
+                long_run_ratios, long_run_step_ratios = (long_run_paired("mean_trainer_seconds"),
+                                                         long_run_paired("mean_step_seconds"))
                 row |= {"long_run_step_kl_seconds": long_run,
                         "long_run_trainer_ratio_mean": statistics.fmean(long_run_ratios),
-                        "long_run_trainer_ratio_ci": bootstrap_ci(long_run_ratios)}
+                        "long_run_trainer_ratio_ci": bootstrap_ci(long_run_ratios),
+                        "long_run_time_ratio_mean": statistics.fmean(long_run_step_ratios),
+                        "long_run_time_ratio_ci": bootstrap_ci(long_run_step_ratios)}
         rows.append(row)
     return rows
 
@@ -689,20 +696,21 @@ def main(argv=None):
           "step-KL forward and the weights are OBLR-PO's own phases inside it (median seconds a step, timed in the "
           "same runs). The step-KL forward runs on the first step and then once every k steps with a gradient, so "
           "a short window may hold it or miss it: 'long run' is its time per measurement × the share of steps with "
-          "a gradient ÷ k, and the trainer part with each window's forward replaced by that. `exact` weights are "
+          "a gradient ÷ k (its time per measurement over the warm-up steps too, which always measure), and the step and the trainer part with each window's forward replaced by that. `exact` weights are "
           "measured only for groups whose rewards differ: the share measured is given.\n\n"
         + markdown_table(
             ["variant", "s / step (median)", "min", "max", "÷ GRPO step (paired mean)", "95 % interval",
              "generation s (median)", "trainer part s (median)", "÷ GRPO trainer part (paired mean)", "95 % interval",
              "÷ GRPO generation", "step-KL forward s", "step-KL forward s, long run",
-             "÷ GRPO trainer part, long run", "weights s", "exact weights measured", "peak MiB",
+             "÷ GRPO step, long run", "÷ GRPO trainer part, long run", "weights s", "exact weights measured", "peak MiB",
              "÷ GRPO memory", "memory ratio min–max"],
             [[r["variant"], r["median_step_seconds"], r["min"], r["max"], r.get("time_ratio_mean", "—"),
               interval(r, "time_ratio_ci"), r["median_generation_seconds"], r["median_trainer_seconds"],
               r.get("trainer_ratio_mean", "—"), interval(r, "trainer_ratio_ci"), r.get("generation_ratio_mean", "—"),
               r["median_step_kl_seconds"], r.get("long_run_step_kl_seconds", "—"),
-              "—" if "long_run_trainer_ratio_mean" not in r else
-              f"{r['long_run_trainer_ratio_mean']:.3f} {interval(r, 'long_run_trainer_ratio_ci')}",
+              *("—" if f"long_run_{part}_ratio_mean" not in r else
+                f"{r[f'long_run_{part}_ratio_mean']:.3f} {interval(r, f'long_run_{part}_ratio_ci')}"
+                for part in ("time", "trainer")),
               r["median_weights_seconds"],
               "—" if r["weights_measured_frac"] is None else f"{r['weights_measured_frac']:.0%}",
               "—" if r["peak_memory_mib"] is None else r["peak_memory_mib"], r.get("memory_ratio", "—"),

@@ -55,8 +55,14 @@ def test_overhead_smoke(saved_tiny_model, tmp_path):
     assert low <= summary["oblrpo"]["time_ratio_mean"] <= high
     assert summary["exact"]["peak_memory_mib"] > 0 and (tmp_path / "overhead.png").exists()
     assert 0 <= summary["exact"]["weights_measured_frac"] <= 1 and summary["oblrpo"]["weights_measured_frac"] is None
-    kl_runs = [r for r in results["runs"] if r["variant"] == "oblrpo"]  # the first step always measures: 1 step timed
-    assert all(r["step_kl_measure_every"] == 8 and r["step_kl_seconds_per_measurement"] is None for r in kl_runs)
+    # the defaults measure the first step with a gradient (the warm-up step here, if it had one) and then every k-th:
+    # the time per measurement counts the warm-up step, so that a cadence longer than the window still has its cost
+    from oblr_trl import OBLRPOConfig
+
+    kl_runs = [r for r in results["runs"] if r["variant"] == "oblrpo"]
+    assert all(r["step_kl_measure_every"] == OBLRPOConfig.lr_trust_region_measure_steps for r in kl_runs)
+    assert all(r["step_kl_measurements"] <= 1 and (r["step_kl_seconds_per_measurement"] is None) ==
+               (r["step_kl_measurements"] == 0) for r in kl_runs)
     assert all(r["gradient_step_frac"] is not None for r in kl_runs)
 
 
@@ -104,6 +110,7 @@ def test_summary_puts_the_long_run_share_of_the_measuring_forward_in_place_of_th
     assert "long_run_trainer_ratio_mean" not in rows["grpo"]
     assert rows["oblrpo"]["long_run_step_kl_seconds"] == pytest.approx(0.1125)
     assert rows["oblrpo"]["long_run_trainer_ratio_mean"] == pytest.approx((2.0 + 0.1125) / 2.0)
+    assert rows["oblrpo"]["long_run_time_ratio_mean"] == pytest.approx((3.0 + 0.1125) / 3.0)  # the whole step alike
     assert rows["oblrpo"]["trainer_ratio_mean"] == pytest.approx((2.15 / 2 + 1.0) / 2)
 
 
@@ -156,15 +163,15 @@ def test_overhead_interleaved_variants_take_one_step_each_in_turn_in_one_process
 
 
 def test_overhead_records_each_measurement_of_the_step_kl(saved_tiny_model, tmp_path):
-    """Measuring every step, each timed step holds one measurement: the time per measurement is the phase's total over
-    the timed steps ÷ their number, and the long run costs that much a step."""
+    """Measuring every step, the warm-up step and each timed step hold one measurement each: the time per measurement
+    is the phase's total over all of them ÷ their number, and the long run costs that much a step."""
     run("overhead.py", "--model", str(saved_tiny_model), "--variants", "grpo", "oblrpo-every-step", "--repeats", "1",
         "--steps", "2", "--max_completion_length", "3", "--set", "num_generations=4", "--output_dir", str(tmp_path))
     results = json.loads((tmp_path / "overhead.json").read_text())
     (measuring,) = [r for r in results["runs"] if r["variant"] == "oblrpo-every-step"]
     assert measuring["step_kl_measure_every"] == 1 and 0 <= measuring["gradient_step_frac"] <= 1
     assert measuring["mean_step_kl_seconds"] > 0
-    assert measuring["step_kl_seconds_per_measurement"] == pytest.approx(measuring["mean_step_kl_seconds"])
+    assert measuring["step_kl_measurements"] == 3 and measuring["step_kl_seconds_per_measurement"] > 0
     (row,) = [r for r in results["summary"] if r["variant"] == "oblrpo-every-step"]
     assert row["long_run_step_kl_seconds"] == pytest.approx(measuring["step_kl_seconds_per_measurement"])
     assert "long run" in (tmp_path / "overhead.md").read_text()
