@@ -99,9 +99,11 @@ VARIANTS = {
     # the step's KL measured on every step, the defaults until the end of 2026-11-26
     "oblrpo-every-step": {"lr_trust_region_measure_steps": 1},
 }
-# OBLR-PO's own phases, timed inside each step (seconds a step): the trust region's measuring forward and the weights
+# OBLR-PO's own phases, timed inside each step (seconds a step): the trust region's measuring forward, the weights and
+# the SNR estimator's sketch of the step's gradients (a read of every gradient, at memory bandwidth on a CPU)
 PHASES = {"step_kl": ("oblr_trl.training.step_kl", "StepKLRecorder", "after_step"),
-          "weights": ("oblr_trl.training.completion_weights", "CompletionWeights", "compute")}
+          "weights": ("oblr_trl.training.completion_weights", "CompletionWeights", "compute"),
+          "snr_sketch": ("oblr_trl.training.step_noise", "StepNoiseRecorder", "read_step_gradients")}
 RECIPE_LORA = {"r": 32, "lora_alpha": 64, "target_modules": "all-linear", "task_type": "CAUSAL_LM"}  # the recipes'
 PRESETS = {
     "cpu": {
@@ -533,8 +535,9 @@ def summarise(runs: list[dict], variants: list[str], memory_runs: list[dict] | N
                "max": max(medians), "peak_memory_mib": statistics.median(memory) / 2**20 if memory else None,
                "median_generation_seconds": statistics.median(r["mean_generation_seconds"] for r in results),
                "median_trainer_seconds": statistics.median(r["mean_trainer_seconds"] for r in results),
+               # a phase added after some runs were recorded (--resume) is reported only where every run timed it
                **{f"median_{name}_seconds": statistics.median(r[f"mean_{name}_seconds"] for r in results)
-                  for name in PHASES}}
+                  for name in PHASES if all(f"mean_{name}_seconds" in r for r in results)}}
         if reference:
             def paired(key):
                 return [r[key] / g[key] for r, g in zip(results, reference, strict=True)]
@@ -693,7 +696,7 @@ def main(argv=None):
            else "")
         + (f"; preset overrides `{overrides}`" if overrides else "") + ".\n\n"
         + "The trainer's own part is the step minus the time in TRL's generation (what a vLLM user pays); the "
-          "step-KL forward and the weights are OBLR-PO's own phases inside it (median seconds a step, timed in the "
+          "step-KL forward, the weights and the SNR estimator's gradient sketch are OBLR-PO's own phases inside it (median seconds a step, timed in the "
           "same runs). The step-KL forward runs on the first step and then once every k steps with a gradient, so "
           "a short window may hold it or miss it: 'long run' is its time per measurement × the share of steps with "
           "a gradient ÷ k (its time per measurement over the warm-up steps too, which always measure), and the step and the trainer part with each window's forward replaced by that. `exact` weights are "
@@ -702,7 +705,7 @@ def main(argv=None):
             ["variant", "s / step (median)", "min", "max", "÷ GRPO step (paired mean)", "95 % interval",
              "generation s (median)", "trainer part s (median)", "÷ GRPO trainer part (paired mean)", "95 % interval",
              "÷ GRPO generation", "step-KL forward s", "step-KL forward s, long run",
-             "÷ GRPO step, long run", "÷ GRPO trainer part, long run", "weights s", "exact weights measured", "peak MiB",
+             "÷ GRPO step, long run", "÷ GRPO trainer part, long run", "weights s", "SNR sketch s", "exact weights measured", "peak MiB",
              "÷ GRPO memory", "memory ratio min–max"],
             [[r["variant"], r["median_step_seconds"], r["min"], r["max"], r.get("time_ratio_mean", "—"),
               interval(r, "time_ratio_ci"), r["median_generation_seconds"], r["median_trainer_seconds"],
@@ -711,7 +714,7 @@ def main(argv=None):
               *("—" if f"long_run_{part}_ratio_mean" not in r else
                 f"{r[f'long_run_{part}_ratio_mean']:.3f} {interval(r, f'long_run_{part}_ratio_ci')}"
                 for part in ("time", "trainer")),
-              r["median_weights_seconds"],
+              r["median_weights_seconds"], r.get("median_snr_sketch_seconds", "—"),
               "—" if r["weights_measured_frac"] is None else f"{r['weights_measured_frac']:.0%}",
               "—" if r["peak_memory_mib"] is None else r["peak_memory_mib"], r.get("memory_ratio", "—"),
               f"{r['memory_ratio_min']:.3f}–{r['memory_ratio_max']:.3f}" if "memory_ratio_min" in r else "—"]

@@ -55,6 +55,8 @@ def test_overhead_smoke(saved_tiny_model, tmp_path):
     assert low <= summary["oblrpo"]["time_ratio_mean"] <= high
     assert summary["exact"]["peak_memory_mib"] > 0 and (tmp_path / "overhead.png").exists()
     assert 0 <= summary["exact"]["weights_measured_frac"] <= 1 and summary["oblrpo"]["weights_measured_frac"] is None
+    # the SNR estimator's sketch is timed where it runs (the defaults), and GRPO has none
+    assert summary["oblrpo"]["median_snr_sketch_seconds"] > 0 and summary["grpo"]["median_snr_sketch_seconds"] == 0
     # the defaults measure the first step with a gradient (the warm-up step here, if it had one) and then every k-th:
     # the time per measurement counts the warm-up step, so that a cadence longer than the window still has its cost
     from oblr_trl import OBLRPOConfig
