@@ -422,7 +422,7 @@ def run_result(spec: dict, variant: str, trainer, times: dict[str, list[float]],
     measured = [log["oblr/weights/measured_frac"] for log in trainer.state.log_history
                 if "oblr/weights/measured_frac" in log][warmup:]
     return {"weights_measured_frac": statistics.fmean(measured) if measured else None,
-            **step_kl_cadence(trainer, times["step_kl"], warmup),
+            **step_kl_cadence(trainer, times["step_kl"]),
             "variant": variant, "repeat": spec["repeat"], "position": spec["position"],
             "num_generations": trainer.args.num_generations, "processes": trainer.accelerator.num_processes,
             # what the optimizer trains (the adapters alone under a preset's LoRA), of the model's parameters
@@ -440,15 +440,15 @@ def run_result(spec: dict, variant: str, trainer, times: dict[str, list[float]],
                for statistic, function in (("median", statistics.median), ("mean", statistics.fmean))}}
 
 
-def step_kl_cadence(trainer, step_kl_seconds: list[float], warmup: int) -> dict:
+def step_kl_cadence(trainer, step_kl_seconds: list[float]) -> dict:
     """What the trust region's measuring forward costs a step in a long run, from one run.
 
     The forward runs on the first step and then once every ``lr_trust_region_measure_steps`` steps *with a gradient*
     (`StepKLRecorder._due`: a step whose groups all scored alike has none and does not count), so a short window can
-    hold its measurement or miss it. Recorded: its seconds per measurement over the timed steps (None if none fell
-    there), the share of the run's steps with a gradient (TRL's logged ``grad_norm`` > 0), and k. The seconds per
-    measurement count the warm-up steps too (the first step is always measured), so that a cadence longer than the
-    window still has its cost: the step's own work is warm by then (generation and the training forward ran)."""
+    hold its measurement or miss it. Recorded: the measurements over the whole run, warm-up steps included (the first
+    step with a gradient always measures, so a cadence longer than the window still has its cost; the step's own
+    work is warm by then), their seconds per measurement (None without one), the share of the run's steps with a
+    gradient (TRL's logged ``grad_norm`` > 0), and k."""
     steps = [log for log in trainer.state.log_history if "grad_norm" in log]
     measurements = sum("oblr/step_kl" in log for log in steps)
     every = getattr(trainer.args, "lr_trust_region_measure_steps", None)
@@ -535,7 +535,7 @@ def summarise(runs: list[dict], variants: list[str], memory_runs: list[dict] | N
                "max": max(medians), "peak_memory_mib": statistics.median(memory) / 2**20 if memory else None,
                "median_generation_seconds": statistics.median(r["mean_generation_seconds"] for r in results),
                "median_trainer_seconds": statistics.median(r["mean_trainer_seconds"] for r in results),
-               # a phase added after some runs were recorded (--resume) is reported only where every run timed it
+               # a phase added after some runs were recorded (--resume): reported only where every run timed it
                **{f"median_{name}_seconds": statistics.median(r[f"mean_{name}_seconds"] for r in results)
                   for name in PHASES if all(f"mean_{name}_seconds" in r for r in results)}}
         if reference:
@@ -696,17 +696,18 @@ def main(argv=None):
            else "")
         + (f"; preset overrides `{overrides}`" if overrides else "") + ".\n\n"
         + "The trainer's own part is the step minus the time in TRL's generation (what a vLLM user pays); the "
-          "step-KL forward, the weights and the SNR estimator's gradient sketch are OBLR-PO's own phases inside it (median seconds a step, timed in the "
-          "same runs). The step-KL forward runs on the first step and then once every k steps with a gradient, so "
-          "a short window may hold it or miss it: 'long run' is its time per measurement × the share of steps with "
-          "a gradient ÷ k (its time per measurement over the warm-up steps too, which always measure), and the step and the trainer part with each window's forward replaced by that. `exact` weights are "
-          "measured only for groups whose rewards differ: the share measured is given.\n\n"
+          "step-KL forward, the weights and the SNR estimator's gradient sketch are OBLR-PO's own phases inside it "
+          "(median seconds a step, timed in the same runs). The step-KL forward runs on the first step and then "
+          "once every k steps with a gradient, so a short window may hold it or miss it: 'long run' is its time per "
+          "measurement × the share of steps with a gradient ÷ k (its time per measurement over the warm-up steps "
+          "too, which always measure), and the step and the trainer part with each window's forward replaced by "
+          "that. `exact` weights are measured only for groups whose rewards differ: the share measured is given.\n\n"
         + markdown_table(
             ["variant", "s / step (median)", "min", "max", "÷ GRPO step (paired mean)", "95 % interval",
              "generation s (median)", "trainer part s (median)", "÷ GRPO trainer part (paired mean)", "95 % interval",
              "÷ GRPO generation", "step-KL forward s", "step-KL forward s, long run",
-             "÷ GRPO step, long run", "÷ GRPO trainer part, long run", "weights s", "SNR sketch s", "exact weights measured", "peak MiB",
-             "÷ GRPO memory", "memory ratio min–max"],
+             "÷ GRPO step, long run", "÷ GRPO trainer part, long run", "weights s", "SNR sketch s",
+             "exact weights measured", "peak MiB", "÷ GRPO memory", "memory ratio min–max"],
             [[r["variant"], r["median_step_seconds"], r["min"], r["max"], r.get("time_ratio_mean", "—"),
               interval(r, "time_ratio_ci"), r["median_generation_seconds"], r["median_trainer_seconds"],
               r.get("trainer_ratio_mean", "—"), interval(r, "trainer_ratio_ci"), r.get("generation_ratio_mean", "—"),
