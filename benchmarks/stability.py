@@ -451,10 +451,12 @@ def rate_range(runs: list[dict], method: str, best_cell: float) -> dict:
 
 
 # issue 40's decision between the trust region's two forms at the shipping cadence, and each against GRPO; then what
-# OBLR-PO's baseline and SNR factor add on top of the default trust region (the same trust region on GRPO's advantages)
+# OBLR-PO's baseline and SNR factor add on top of the default trust region (the same trust region on GRPO's advantages);
+# then issue 38's cheaper cadence against the one it replaces
 FORM_PAIRS = [("oblrpo-trust-target-every8", "oblrpo-trust-cap-every8"), ("oblrpo-trust-target-every8", REFERENCE),
               ("oblrpo-trust-cap-every8", REFERENCE), ("oblrpo-trust-target-every8", "grpo-trust-target-every8"),
-              ("grpo-trust-target-every8", REFERENCE)]
+              ("grpo-trust-target-every8", REFERENCE),
+              ("oblrpo-trust-target-every16", "oblrpo-trust-target-every8"), ("oblrpo-trust-target-every16", REFERENCE)]
 
 
 def form_comparison(cells: dict[str, dict[float, list[dict]]], resamples: int) -> dict:

@@ -219,14 +219,13 @@ class OBLRPOConfig(OBLRPOOptions, GRPOConfig):  # this base order keeps GRPOConf
             the policy's expected KL as those were. Per-completion KLs are heavy-tailed (one completion often holds
             most of a step's KL): smaller samples are noisy, measured in docs/trust_region.md. `None`: every
             completion. Vision-language models always measure every completion.
-        lr_trust_region_measure_steps (`int`, *optional*, defaults to `8`):
+        lr_trust_region_measure_steps (`int`, *optional*, defaults to `16`):
             Measure the step KL on the first step and then on every this-many-th optimizer step with a gradient
             after the last one measured (1: every step). The trust region sizes the steps in between with the
             curvature it last measured: k saves k − 1 of every k measuring forwards, and a jump of curvature is seen
-            up to k − 1 steps later. A step whose gradient is zero is not measured when k > 1. The default 8 held
-            every cell of the a + b grid (1e-6 … 3e-4, 5 seeds) as measuring every 4th step or every step did, for
-            an eighth of the measuring forwards (docs/trust_region.md). `log_step_kl` without a trust region
-            measures every step.
+            up to k − 1 steps later. A step whose gradient is zero is not measured when k > 1. The default 16 held
+            every cell of the a + b grid (1e-6 … 3e-4, 5 seeds) as measuring every 8th step did, for half its
+            measuring forwards (docs/trust_region.md). `log_step_kl` without a trust region measures every step.
         log_step_kl (`bool`, *optional*, defaults to `False`):
             Measure and log each step's KL (`oblr/step_kl`) without a trust region (one no-grad forward of the
             step's completions). Always on with `lr_trust_region_kl`.
