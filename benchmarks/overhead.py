@@ -77,7 +77,7 @@ from common import (  # noqa: E402
 
 VARIANTS = {
     "grpo": None,  # TRL's GRPOTrainer with GRPOConfig defaults
-    # OBLR-PO defaults: logit weights + SNR learning rate + the trust region (target form, its KL forward every 8th step)
+    # OBLR-PO defaults: logit weights + SNR learning rate + the trust region (target form, its KL forward every 16th step)
     "oblrpo": {},
     "oblrpo-no-trust": {"lr_trust_region_kl": None},  # the defaults before 2026-11-26
     "oblrpo-no-snr": {"use_snr_lr": False},
@@ -93,8 +93,7 @@ VARIANTS = {
     # the step's KL measured on every 4th step (lr_trust_region_measure_steps; time ≥ 4 steps): the defaults from
     # the end of 2026-11-26 to 2026-11-27
     "oblrpo-every4": {"lr_trust_region_measure_steps": 4},
-    # every 8th step (time ≥ 16 steps, so that the window holds the long-run share of measured steps): the defaults
-    # since 2026-11-27, named apart for runs that compare cadences
+    # every 8th step: the defaults from 2026-11-27 to 2026-11-28, named apart for runs that compare cadences
     "oblrpo-every8": {"lr_trust_region_measure_steps": 8},
     # the step's KL measured on every step, the defaults until the end of 2026-11-26
     "oblrpo-every-step": {"lr_trust_region_measure_steps": 1},

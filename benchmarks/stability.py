@@ -451,10 +451,13 @@ def rate_range(runs: list[dict], method: str, best_cell: float) -> dict:
 
 
 # issue 40's decision between the trust region's two forms at the shipping cadence, and each against GRPO; then what
-# OBLR-PO's baseline and SNR factor add on top of the default trust region (the same trust region on GRPO's advantages)
+# OBLR-PO's baseline and SNR factor add on top of the default trust region (the same trust region on GRPO's advantages);
+# then issue 38's cheaper cadence against the one it replaces, against GRPO and against the cap
 FORM_PAIRS = [("oblrpo-trust-target-every8", "oblrpo-trust-cap-every8"), ("oblrpo-trust-target-every8", REFERENCE),
               ("oblrpo-trust-cap-every8", REFERENCE), ("oblrpo-trust-target-every8", "grpo-trust-target-every8"),
-              ("grpo-trust-target-every8", REFERENCE)]
+              ("grpo-trust-target-every8", REFERENCE),
+              ("oblrpo-trust-target-every16", "oblrpo-trust-target-every8"), ("oblrpo-trust-target-every16", REFERENCE),
+              ("oblrpo-trust-target-every16", "oblrpo-trust-cap-every8")]
 
 
 def form_comparison(cells: dict[str, dict[float, list[dict]]], resamples: int) -> dict:
@@ -682,8 +685,9 @@ def write_summary(args) -> None:
                      "over seeds).\n",
                      cell_table(summary, details["rates"]), ""]
         if summary["forms"]:
-            markdown += ["The trust region's two forms at the shipping cadence (every 8th step measured), paired by "
-                         "seed at each rate both ran:\n", form_table(summary["forms"]), ""]
+            markdown += ["The trust region's two forms (cap, target) and two measuring cadences (every 8th, every 16th "
+                         "step), on OBLR-PO's and on GRPO's advantages, paired by seed at each rate both ran:\n",
+                         form_table(summary["forms"]), ""]
         if summary.get("form_regrets"):
             markdown += ["Regret difference over the grid, paired by seed (the seeds both ran at every rate):\n",
                          markdown_table(["pair", "regret difference [95 % CI]", "seeds"],

@@ -531,7 +531,7 @@ def test_the_grid_reports_the_defaults_from_the_trust_region_runs_that_are_them(
     overrides = SMOLLM2_METHODS[twin][0]
     assert overrides["lr_trust_region_mode"] == OBLRPOConfig.lr_trust_region_mode
     assert overrides.get("lr_trust_region_measure_steps", 1) == OBLRPOConfig.lr_trust_region_measure_steps
-    assert twin == "oblrpo-trust-target-every8"
+    assert twin == "oblrpo-trust-target-every16"
 
     def runs(problems, method):
         made = [{"method": "initial", "accuracy": 0.5, "problems": problems["title"], "learning_rate": 0.0, "seed": 0}]
@@ -550,7 +550,8 @@ def test_the_grid_reports_the_defaults_from_the_trust_region_runs_that_are_them(
     rates = details["defaults_range"]
     assert list(rates) == [f"{r:g}" for r in A_PLUS_B["grid"][:2]] + ["0.001"]
     assert rates["0.001"]["of_best_cell"] == pytest.approx(0.5) and rates["1e-06"]["of_best_cell"] == pytest.approx(1)
-    for other in ("oblrpo-trust-target", "oblrpo-trust-cap-every8"):  # another cadence, another form: not the defaults
+    # another cadence, another form: not the defaults
+    for other in ("oblrpo-trust-target", "oblrpo-trust-target-every8", "oblrpo-trust-cap-every8"):
         summary, _ = smollm2_grid(runs(A_PLUS_B, other), resamples=20)
         assert "oblrpo" not in summary["methods"]
     summary, _ = smollm2_grid(runs(A_PLUS_MINUS_B, twin), resamples=20)

@@ -189,12 +189,12 @@ class OBLRPOConfig(OBLRPOOptions, GRPOConfig):  # this base order keeps GRPOConf
             KL measures the clipped step); the curvature is saved in checkpoints and restored on resume; the KL is
             summed over every process's tokens; under FSDP2 and DeepSpeed the measuring forward runs on every process
             like a training forward. The default, 0.01 in the `"target"` form, makes the configured rate matter little:
-            on SmolLM2 sums (a + b) every rate from 1e-6 to 1e-4 ended within 0.06 of the best cell (regret 0.019
-            against the cap's 0.109 and GRPO's 0.247) and at GRPO's best rate it was level with GRPO (+0.015
-            [−0.012, +0.047], 10 seeds); on products (a × b, δ unchanged) its regret was 0.024 against the cap's
-            0.103; it costs one no-grad forward of at most 8 of the step's completions every 8th step
-            (docs/trust_region.md has the measured cost). `None`: no trust region and no measuring forward (TRL's
-            step).
+            on SmolLM2 sums (a + b) every rate from 1e-6 to 3e-4 ended within 0.07 of the best cell (regret 0.016
+            against the cap's 0.109 and GRPO's 0.247) and at GRPO's best rate it was level with GRPO (+0.033
+            [−0.012, +0.083], 10 seeds); on products (a × b, δ unchanged, measured every 8th step) its regret was
+            0.024 against the cap's 0.103; it costs one no-grad forward of at most 8 of the step's completions every
+            16th step with a gradient (about 0.7 % of a GRPO step on 2 CPU cores; docs/trust_region.md has the
+            measured cost). `None`: no trust region and no measuring forward (TRL's step).
         lr_trust_region_mode (`str`, *optional*, defaults to `"target"`):
             `"target"`: the rate follows δ both ways within [`lr_trust_region_min_ratio`,
             `lr_trust_region_max_ratio`] × scheduled · f_SNR — a too-low configured rate (TRL's default 1e-6
@@ -219,14 +219,13 @@ class OBLRPOConfig(OBLRPOOptions, GRPOConfig):  # this base order keeps GRPOConf
             the policy's expected KL as those were. Per-completion KLs are heavy-tailed (one completion often holds
             most of a step's KL): smaller samples are noisy, measured in docs/trust_region.md. `None`: every
             completion. Vision-language models always measure every completion.
-        lr_trust_region_measure_steps (`int`, *optional*, defaults to `8`):
+        lr_trust_region_measure_steps (`int`, *optional*, defaults to `16`):
             Measure the step KL on the first step and then on every this-many-th optimizer step with a gradient
             after the last one measured (1: every step). The trust region sizes the steps in between with the
             curvature it last measured: k saves k − 1 of every k measuring forwards, and a jump of curvature is seen
-            up to k − 1 steps later. A step whose gradient is zero is not measured when k > 1. The default 8 held
-            every cell of the a + b grid (1e-6 … 3e-4, 5 seeds) as measuring every 4th step or every step did, for
-            an eighth of the measuring forwards (docs/trust_region.md). `log_step_kl` without a trust region
-            measures every step.
+            up to k − 1 steps later. A step whose gradient is zero is not measured when k > 1. The default 16 held
+            every cell of the a + b grid (1e-6 … 3e-4, 5 seeds, 10 at 1e-6 and 1e-5) as measuring every 8th step
+            did (regret difference −0.003 [−0.023, +0.017]), for half its measuring forwards (docs/trust_region.md). `log_step_kl` without a trust region measures every step.
         log_step_kl (`bool`, *optional*, defaults to `False`):
             Measure and log each step's KL (`oblr/step_kl`) without a trust region (one no-grad forward of the
             step's completions). Always on with `lr_trust_region_kl`.
