@@ -231,6 +231,30 @@ def test_measuring_every_k_th_step_measures_the_first_and_every_k_th_step_with_a
         StepKLRecorder(rule, token_log_probs, lambda s: s, measure_every=0)
 
 
+def test_measuring_every_k_th_step_measures_every_step_until_one_has_moved_the_policy():
+    """A warm-up that starts at rate 0 moves nothing on its first step, so that measurement gives no curvature: the
+    next steps with a gradient are measured until one has (the probe's factor would otherwise stay for k steps), and
+    the cadence of every k-th step starts from there."""
+    from collections import defaultdict
+
+    from oblr_trl.training.step_kl import StepKLRecorder
+
+    rule = TrustRegionRate(1e-3, ema_decay=0.5)
+    recorder = StepKLRecorder(rule, lambda batch: batch["new"], lambda s: s, measure_every=4)
+    measured, factors = [], []
+    for step, (lr, grad_norm) in enumerate([(0.0, 1.0), (0.0, 1.0), (1e-3, 0.0), (1e-3, 1.0), (1e-3, 1.0),
+                                            (1e-3, 1.0), (1e-3, 1.0), (1e-3, 1.0)]):
+        metrics = defaultdict(list)
+        recorder.keep(*_micro_batch(4, seed=step))
+        recorder.after_step(lr, metrics, grad_norm)
+        measured.append(bool(metrics["oblr/step_kl"]))
+        factors.append(rule.factor(1e-3))
+    # rate 0 twice (measured, no curvature), a zero gradient (never measured), the first move, then every 4th
+    assert measured == [True, True, False, True, False, False, False, True]
+    assert factors[:3] == [rule.min_ratio] * 3 and factors[3] != rule.min_ratio
+    assert rule.curvature.count == 2
+
+
 def test_the_draw_of_each_step_is_uniform_over_the_steps_completions():
     from oblr_trl.training.step_kl import StepKLRecorder
 

@@ -219,10 +219,11 @@ class OBLRPOOptions:
         default=16,
         metadata={
             "help": "Measure the step KL on the first step and then on every this-many-th step with a gradient (1: "
-            "every step); the steps in between use the curvature last measured. k saves k − 1 of every k measuring "
-            "forwards; the trust region reacts to a jump of curvature up to k − 1 steps later. The default 16 held "
-            "every cell of the a + b grid (1e-6 … 3e-4, 5 seeds) as measuring every 8th step did, at half its "
-            "measuring forwards (docs/trust_region.md). log_step_kl without a trust region measures every step."
+            "every step), and on every step with a gradient until one has moved the policy (a warm-up's first step, "
+            "at rate 0, does not); the steps in between use the curvature last measured. k saves k − 1 of every k "
+            "measuring forwards; the trust region reacts to a jump of curvature up to k − 1 steps later. The default "
+            "16 held every cell of the a + b grid (1e-6 … 3e-4, 5 seeds) as measuring every 8th step did, at half "
+            "its measuring forwards (docs/trust_region.md). log_step_kl without a trust region measures every step."
         },
     )
     log_step_kl: bool = field(

@@ -9,8 +9,9 @@ step.
 
 By default every token of the step counts; it costs one no-grad forward of the step's completions, as TRL's own
 old-log-probability pass does when `num_iterations > 1`. With ``measure_every`` = k > 1 only the first step and every
-k-th step after the last one measured are (k − 1 forwards in k saved); the rule sizes the steps in between with the
-curvature it last measured, which predicts the next step's about as well (the per-step curvature is mostly noise from
+k-th step after the last one measured are (k − 1 forwards in k saved), and every step until one has moved the policy
+(a step at rate 0, the first of a warm-up, does not); the rule sizes the steps in between with the curvature it last
+measured, which predicts the next step's about as well (the per-step curvature is mostly noise from
 one step to the next: docs/trust_region.md). With a sample size n, the forward runs on n of the step's
 completions only, drawn uniformly without replacement over every process's completions of the step (the same draw
 in any process layout: a permutation of the step's global row order seeded by the run's seed and the step), and the
@@ -130,12 +131,15 @@ class StepKLRecorder:
 
     def _due(self, grad_norm: float | None) -> bool:
         """Whether the step just taken is measured (``measure_every``); counts it among the unmeasured otherwise.
-        Every process decides alike: the gradient norm and the step count are the same on all of them."""
+        Until a measured step has moved the policy the rule has no curvature to size the steps in between with, so
+        every step with a gradient is measured: a warm-up that starts at rate 0 would otherwise hold the probe's
+        factor for k steps. Every process decides alike: the gradient norm, the step count and the rule's state are
+        the same on all of them."""
         if self.measure_every == 1:
             return True
         if grad_norm == 0.0:
             return False
-        if self.unmeasured_steps + 1 >= self.measure_every:
+        if self.unmeasured_steps + 1 >= self.measure_every or (self.rule is not None and math.isinf(self.rule.rate)):
             self.unmeasured_steps = 0
             return True
         self.unmeasured_steps += 1
