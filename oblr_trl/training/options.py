@@ -218,12 +218,10 @@ class OBLRPOOptions:
     lr_trust_region_measure_steps: int = field(
         default=16,
         metadata={
-            "help": "Measure the step KL on the first step and then on every this-many-th step with a gradient (1: "
-            "every step), and on every step with a gradient until one has moved the policy (a warm-up's first step, "
-            "at rate 0, does not); the steps in between use the curvature last measured. k saves k − 1 of every k "
-            "measuring forwards; the trust region reacts to a jump of curvature up to k − 1 steps later. The default "
-            "16 held every cell of the a + b grid (1e-6 … 3e-4, 5 seeds) as measuring every 8th step did, at half "
-            "its measuring forwards (docs/trust_region.md). log_step_kl without a trust region measures every step."
+            "help": "Measure the step KL on every this-many-th step with a gradient (1: every step), and on every "
+            "one until a step has moved the policy; the steps in between use the curvature last measured (k − 1 of k "
+            "measuring forwards saved; a jump of curvature seen up to k − 1 steps later). 16 held the a + b grid as "
+            "8 did (docs/trust_region.md). log_step_kl without a trust region measures every step."
         },
     )
     log_step_kl: bool = field(
