@@ -114,16 +114,21 @@ class TrustRegionRate:
             return math.inf
         return math.sqrt(self.target_kl / curvature)
 
+    @property
+    def probing(self) -> bool:
+        """True until a step that moved the policy has been folded in: no curvature yet, so the next step is the
+        probe (factor r_min) and measuring it is the only way to size the ones after."""
+        return math.isinf(self.rate)
+
     def factor(self, base_lr: float) -> float:
         """The factor on ``base_lr`` (scheduled rate × SNR factor) for the next step: min(1, η_δ/η_s) (cap) or
         clip(η_δ/η_s, r_min, r_max) (target), never below r_min; r_min (the probe) until a step has moved the
         policy."""
         if not base_lr > 0:
             return 1.0
-        rate = self.rate
-        if not math.isfinite(rate):
+        if self.probing:
             return self.min_ratio
-        return min(largest_factor(self.mode, self.max_ratio), max(self.min_ratio, rate / base_lr))
+        return min(largest_factor(self.mode, self.max_ratio), max(self.min_ratio, self.rate / base_lr))
 
     def state_dict(self) -> dict[str, Any]:
         return {"curvature": self.curvature.state_dict()}

@@ -224,9 +224,10 @@ class OBLRPOConfig(OBLRPOOptions, GRPOConfig):  # this base order keeps GRPOConf
             after the last one measured (1: every step). The trust region sizes the steps in between with the
             curvature it last measured: k saves k − 1 of every k measuring forwards, and a jump of curvature is seen
             up to k − 1 steps later. A step whose gradient is zero is not measured when k > 1; until a measured step
-            has moved the policy (a warm-up's first step, at rate 0, does not) every step with a gradient is. The default 16 held
-            every cell of the a + b grid (1e-6 … 3e-4, 5 seeds, 10 at 1e-6 and 1e-5) as measuring every 8th step
-            did (regret difference −0.003 [−0.023, +0.017]), for half its measuring forwards (docs/trust_region.md). `log_step_kl` without a trust region measures every step.
+            has moved the policy (a warm-up's first step, at rate 0, does not) every step with a gradient is. The
+            default 16 held every cell of the a + b grid (1e-6 … 3e-4, 5 seeds, 10 at 1e-6 and 1e-5) as measuring
+            every 8th step did (regret difference −0.003 [−0.023, +0.017]), for half its measuring forwards
+            (docs/trust_region.md). `log_step_kl` without a trust region measures every step.
         log_step_kl (`bool`, *optional*, defaults to `False`):
             Measure and log each step's KL (`oblr/step_kl`) without a trust region (one no-grad forward of the
             step's completions). Always on with `lr_trust_region_kl`.

@@ -11,8 +11,8 @@ By default every token of the step counts; it costs one no-grad forward of the s
 old-log-probability pass does when `num_iterations > 1`. With ``measure_every`` = k > 1 only the first step and every
 k-th step after the last one measured are (k − 1 forwards in k saved), and every step until one has moved the policy
 (a step at rate 0, the first of a warm-up, does not); the rule sizes the steps in between with the curvature it last
-measured, which predicts the next step's about as well (the per-step curvature is mostly noise from
-one step to the next: docs/trust_region.md). With a sample size n, the forward runs on n of the step's
+measured, which predicts the next step's about as well (the per-step curvature is mostly noise from one step to the
+next: docs/trust_region.md). With a sample size n, the forward runs on n of the step's
 completions only, drawn uniformly without replacement over every process's completions of the step (the same draw
 in any process layout: a permutation of the step's global row order seeded by the run's seed and the step), and the
 KL is the mean per token over the sampled completions' tokens. Either way the measurement does not depend on how the
@@ -139,7 +139,7 @@ class StepKLRecorder:
             return True
         if grad_norm == 0.0:
             return False
-        if self.unmeasured_steps + 1 >= self.measure_every or (self.rule is not None and math.isinf(self.rule.rate)):
+        if self.unmeasured_steps + 1 >= self.measure_every or (self.rule is not None and self.rule.probing):
             self.unmeasured_steps = 0
             return True
         self.unmeasured_steps += 1
