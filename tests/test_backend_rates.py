@@ -90,7 +90,8 @@ def assert_rates_reach_the_optimizer(result: dict) -> None:
     snr = [log["snr/snr"] for log in result["log_history"] if log.get("snr/snr") is not None]
     assert snr and all(s == s and s >= 0 for s in snr)
     # the KL measured on the first step with a gradient and every k-th one after it (a zero-gradient step does not
-    # count when k > 1), on every backend alike
+    # count when k > 1), on every backend alike; with no warm-up the first measured step moves the policy, so the
+    # measuring until one has (`StepKLRecorder._due`) ends there
     steps = [log for log in result["log_history"] if "loss" in log]
     every = trust["measure_steps"]
     measured = [i for i, log in enumerate(steps) if log.get("oblr/step_kl") is not None]
