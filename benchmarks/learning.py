@@ -71,7 +71,8 @@ REFERENCE = "grpo"
 # the curves logged per step, besides the reward
 TRACES = ("learning_rate", "grad_norm", "snr/lr_factor", "snr/effective_lr", "snr/bound_factor", "snr/grad_sq_norm_ema",
           "snr/trace_cov_ema", "snr/resolved", "snr/calibration_t", "snr/reference_factor", "oblr/step_kl",
-          "oblr/trust_region_factor", "frac_reward_zero_std")
+          "oblr/trust_region_factor", "frac_reward_zero_std", "oblr/step_kl_target", "completions/mean_length",
+          "oblr/lr")
 PRESETS = {
     "cpu": {
         "model": "builtin:smollm2-135m-instruct",

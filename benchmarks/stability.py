@@ -135,13 +135,18 @@ for _advantages, _form, _base in (("oblrpo", "target", {}), ("grpo", "cap", GRPO
 SMOLLM2_METHODS["oblrpo-trust-target-every16"] = (
     {"lr_trust_region_kl": PROBLEMS_DELTA, "lr_trust_region_mode": "target", "lr_trust_region_measure_steps": 16},
     TRL_SCHEDULE)
+# issue 56: the peak form (η̂_max measured by the trust region, the schedule and the SNR factor shaping every step; the
+# probe's reading replaced by the next step's) at the shipping cadence
+SMOLLM2_METHODS["oblrpo-trust-peak-every16"] = (
+    {"lr_trust_region_kl": PROBLEMS_DELTA, "lr_trust_region_mode": "peak", "lr_trust_region_measure_steps": 16},
+    TRL_SCHEDULE)
 # the grid of each problem set (below) is the symmetric one of issue 26: GRPO's best rate ÷10 … ×10, so that a rule
 # which only shrinks the rate loses at the low end what it saves at the high end; runs at other rates are reported
 # beside it, outside the regret
 SMOLLM2 = {"methods": [REFERENCE, "oblrpo", "oblrpo-no-trust", "oblrpo-paper", "grpo-trust-cap", "grpo-trust-target",
                        "oblrpo-trust-cap", "oblrpo-trust-cap-every4", "oblrpo-trust-cap-every8", "oblrpo-trust-target",
                        "oblrpo-trust-target-every8", "grpo-trust-cap-every8", "grpo-trust-target-every8",
-                       "oblrpo-trust-target-every16"],
+                       "oblrpo-trust-target-every16", "oblrpo-trust-peak-every16"],
            "seeds": [0, 1, 2, 3, 4], "steps": 40, "jobs": 2}
 # a ± b: GRPO's best rate 1e-4 (the learning benchmark), δ = 0.4 (validation seeds 10, 11: per-step KL spanning 8
 # decades, 4.1 nats a token at step 1 and 1e-10 once every group scores alike; 90th percentile 0.42), both measured
@@ -430,11 +435,72 @@ def smollm2_grid(runs: list[dict], resamples: int, problems: dict | None = None)
     summary = grid_summary(cells, resamples)
     summary["forms"] = form_comparison(cells, resamples)
     summary["form_regrets"] = form_regret_differences(cells, details["rates"], resamples)
+    summary["rate_rule"] = rate_rule_traces(grid + beyond)
     twin = defaults_twin(problems)
     if "oblrpo" not in summary["methods"] and twin in summary["methods"]:  # the defaults' runs, under their own name
         summary["methods"]["oblrpo"] = {**summary["methods"][twin], "same_runs_as": twin}
         details["defaults_range"] = rate_range(grid + beyond, twin, summary["best_cell_final"])
     return summary, details
+
+
+def rate_rule_traces(runs: list[dict]) -> dict:
+    """What the trust region did, per method, from its runs' traces (issue 56's checks of the default):
+
+    * ``moving_fraction``: of the steps with a gradient whose trust-region factor sits strictly inside its bounds and
+      whose previous step had a gradient and was not measured (so the curvature did not change between them), the
+      share whose rate used differs by more than 1 % from the previous step's — the schedule and the SNR factor acting
+      on the step;
+    * ``aim_ratio_*``: the measured ÷ aimed KL (`oblr/step_kl` ÷ `oblr/step_kl_target`) over the measured steps after
+      each run's first, pooled (median, quartiles) and each run's median (runs that log the aimed KL only)."""
+    by_method: dict[str, dict] = {}
+    for r in runs:
+        traces = r.get("traces", {})
+        factors = traces.get("oblr/trust_region_factor")
+        if not factors or r.get("lr_trust_region_kl") is None:
+            continue
+        low, high = 0.01, (1.0 if r.get("lr_trust_region_mode") == "cap" else 10.0)  # the benchmark's bounds
+        used = traces.get("oblr/lr") or traces["snr/effective_lr"]
+        measured = [isinstance(v, float) and math.isfinite(v) for v in traces["oblr/step_kl"]]
+        entry = by_method.setdefault(r["method"], {"pairs": 0, "moving": 0, "ratios": [], "run_medians": []})
+        gradient = [g != 0 for g in traces["grad_norm"]]
+        for t in range(1, len(used)):
+            inside = low * 1.0001 < factors[t] < high * 0.9999
+            if measured[t - 1] or not (gradient[t] and gradient[t - 1] and inside):
+                continue  # a zero-gradient step runs at the scheduled rate by rule: not the rule's rate moving
+            entry["pairs"] += 1
+            entry["moving"] += abs(used[t] / used[t - 1] - 1.0) > 0.01
+        aimed = traces.get("oblr/step_kl_target")
+        if aimed:
+            first = measured.index(True) if any(measured) else len(measured)
+            ratios = [traces["oblr/step_kl"][t] / aimed[t] for t in range(first + 1, len(measured))
+                      if measured[t] and isinstance(aimed[t], float) and aimed[t] > 0]
+            entry["ratios"] += ratios
+            if ratios:
+                entry["run_medians"].append(statistics.median(ratios))
+    summary = {}
+    for method, entry in sorted(by_method.items()):
+        summary[method] = {"inside_bounds_pairs": entry["pairs"],
+                           "moving_fraction": entry["moving"] / entry["pairs"] if entry["pairs"] else None,
+                           "runs": sum(r["method"] == method for r in runs)}
+        if entry["ratios"]:
+            ratios = entry["ratios"]
+            summary[method].update(aim_ratio_median=statistics.median(ratios),
+                                   aim_ratio_quartiles=(statistics.quantiles(ratios, n=4) if len(ratios) > 1
+                                                        else ratios * 3),
+                                   aim_ratio_run_medians=entry["run_medians"], aim_ratio_steps=len(ratios))
+    return summary
+
+
+def rate_rule_table(summary: dict) -> str:
+    rows = []
+    for method, entry in summary.items():
+        aim = "not logged" if "aim_ratio_median" not in entry else (
+            f"{entry['aim_ratio_median']:.2f} [{entry['aim_ratio_quartiles'][0]:.2f}, "
+            f"{entry['aim_ratio_quartiles'][2]:.2f}] ({entry['aim_ratio_steps']} steps)")
+        moving = "—" if entry["moving_fraction"] is None else f"{entry['moving_fraction']:.2f}"
+        rows.append([method, entry["runs"], f"{moving} of {entry['inside_bounds_pairs']}", aim])
+    return markdown_table(["method", "runs", "rate moved > 1 % between measurements, inside the bounds",
+                           "measured ÷ aimed KL after the first measurement: median [quartiles]"], rows)
 
 
 def rate_range(runs: list[dict], method: str, best_cell: float) -> dict:
@@ -694,6 +760,11 @@ def write_summary(args) -> None:
                                         [[pair, f"{d['mean']:+.3f} [{d['ci'][0]:+.3f}, {d['ci'][1]:+.3f}]",
                                           " ".join(map(str, d["seeds"]))]
                                          for pair, d in summary["form_regrets"].items()]), ""]
+        if summary.get("rate_rule"):
+            markdown += ["What the trust region did in each method's runs (grid and beside it): how often the rate "
+                         "used moved between measurements while the factor sat inside its bounds, and where the "
+                         "measured steps landed against the KL the rule aimed them at:\n",
+                         rate_rule_table(summary["rate_rule"]), ""]
         if details.get("defaults_range"):
             markdown += [f"The defaults (`{summary['methods']['oblrpo']['same_runs_as']}`) at every configured rate, "
                          "grid and beside it, against the grid's best cell:\n",

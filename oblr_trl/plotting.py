@@ -13,8 +13,8 @@ PANELS = (
     ("completions/mean_length", "completion length (tokens)"),
     ("snr/snr", "gradient SNR (smoothed)"),
     ("snr/lr_factor", "SNR learning-rate factor f_t"),
-    ("snr/effective_lr", "learning rate used"),
-    ("oblr/step_kl", "policy KL of each step (π_t ‖ π_t+1)"),
+    ("oblr/lr", "learning rate used"),
+    ("oblr/step_kl", "policy KL of each step (π_t ‖ π_t+1), and aimed at"),
     ("oblr/trust_region_factor", "trust-region factor"),
     ("oblr/noise_scale", "gradient noise scale B_noise (completions)"),
 )
@@ -40,8 +40,9 @@ def load_log_history(run_dir: str | Path) -> list[dict]:
 def _series(history: list[dict], key: str) -> tuple[list[int], list[float]]:
     if key == "accuracy":
         key = next((k for entry in history for k in entry if k.startswith("rewards/") and "accuracy" in k and k.endswith("/mean")), key)
-    if key == "snr/effective_lr" and not any(key in entry for entry in history):
-        key = "learning_rate"  # a run without the SNR factor: the scheduled rate is the one used
+    if key == "oblr/lr" and not any(key in entry for entry in history):
+        # logged under its old name before; a run without the SNR factor or trust region uses the scheduled rate
+        key = "snr/effective_lr" if any("snr/effective_lr" in entry for entry in history) else "learning_rate"
     points = [(e["step"], e[key]) for e in history if isinstance(e.get(key), (int, float))]
     return [s for s, _ in points], [v for _, v in points]
 
@@ -66,6 +67,11 @@ def plot_run(run_dir: str | Path, output: str | Path | None = None) -> Path:
             axis.plot(steps, values, marker="." if len(values) < 50 else None)
             if key in ("snr/snr", "oblr/step_kl", "oblr/noise_scale") and min(values) > 0:
                 axis.set_yscale("log")
+            if key == "oblr/step_kl":
+                aimed_steps, aimed = _series(history, "oblr/step_kl_target")
+                if aimed:
+                    axis.plot(aimed_steps, aimed, ls="--", color="gray", label="aimed at")
+                    axis.legend()
             if key == "oblr/noise_scale":  # more completions a step than B_noise stop shortening training
                 used_steps, used = _series(history, "oblr/completions_per_step")
                 if used:

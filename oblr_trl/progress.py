@@ -18,7 +18,7 @@ SHOWN = (
     ("reward", ("reward",)),
     ("acc", ("rewards/accuracy_reward/mean",)),
     ("f", ("snr/lr_factor",)),
-    ("lr", ("snr/effective_lr", "learning_rate")),
+    ("lr", ("oblr/lr", "snr/effective_lr", "learning_rate")),  # the old name: runs logged before it changed
 )
 
 

@@ -1,4 +1,4 @@
-"""The trust region of the step (DESIGN §2, "Measured stability"): the rule, the KL it measures, and the trainer."""
+"""The trust region of the step (docs/rate_rule.md): the rule, the KL it measures, and the trainer."""
 
 import copy
 import json
@@ -15,7 +15,7 @@ from oblr_trl.estimators.trust_region import TrustRegionRate, sampled_token_kl
 # ----------------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mode", ["cap", "target"])
+@pytest.mark.parametrize("mode", ["cap", "target", "peak"])
 def test_until_a_step_moves_the_policy_the_step_is_a_probe_at_the_floor(mode):
     rule = TrustRegionRate(1e-3, mode, ema_decay=0.0, min_ratio=0.02)
     assert rule.factor(1e-4) == 0.02
@@ -25,7 +25,7 @@ def test_until_a_step_moves_the_policy_the_step_is_a_probe_at_the_floor(mode):
     assert rule.factor(1e-4) == pytest.approx(1.0)
 
 
-@pytest.mark.parametrize("mode", ["cap", "target"])
+@pytest.mark.parametrize("mode", ["cap", "target", "peak"])
 def test_a_step_above_the_target_kl_lowers_the_rate(mode):
     rule = TrustRegionRate(1e-3, mode, ema_decay=0.0)
     rule.update(kl=4e-3, lr=1e-4)  # 4δ at 1e-4: δ is reached at 1e-4 · sqrt(1/4)
@@ -66,6 +66,50 @@ def test_the_curvature_is_smoothed_and_non_measurements_are_ignored():
     copied = TrustRegionRate(1e-3, "cap", ema_decay=0.5)
     copied.load_state_dict(json.loads(json.dumps(rule.state_dict())))
     assert copied.rate == rule.rate
+
+
+def test_the_peak_form_measures_the_peak_and_leaves_the_schedule_and_snr_factor_to_shape_each_step():
+    """η = η_s · clip(η_δ/η_peak): the factor is set by the schedule's peak, not by the step's own rate, so the rate
+    used falls with the schedule and moves with the SNR factor; the target form over the same steps uses η_δ."""
+    peak, target = TrustRegionRate(1e-3, "peak", ema_decay=0.0), TrustRegionRate(1e-3, "target", ema_decay=0.0)
+    for rule in (peak, target):
+        rule.update(kl=1e-3 / 16, lr=1e-4)  # η_δ = 4e-4
+    used = {name: [base * rule.factor(base, 1e-4) for base in (1e-4, 5e-5, 8e-5, 5e-5)]
+            for name, rule in (("peak", peak), ("target", target))}
+    assert used["peak"] == pytest.approx([4e-4, 2e-4, 3.2e-4, 2e-4])  # η̂_max × scheduled/peak × f
+    assert used["target"] == pytest.approx([4e-4] * 4)  # the schedule and the factor cancel
+    assert peak.factor(1e-4, 1e-6) == 10.0 and peak.factor(1e-4, 1.0) == 0.01  # bounded as the target is
+    assert peak.factor(1e-4) == target.factor(1e-4)  # without a peak: the step's own rate
+
+
+def test_the_probes_reading_is_replaced_by_the_next_one_in_the_peak_form():
+    """Adam's first step (the probe) overstates the curvature: in the peak form it is provisional, the next reading
+    replaces it and the step after the probe must be measured; the other forms average it in."""
+    for mode in ("peak", "target", "cap"):
+        rule = TrustRegionRate(1e-3, mode, ema_decay=0.5)
+        assert rule.needs_measurement and not rule.provisional
+        rule.update(kl=0.0, lr=1e-5)  # did not move the policy: still probing, nothing provisional
+        assert rule.probing and not rule.provisional
+        rule.update(kl=1e-3, lr=1e-5)  # the probe: curvature 1e7
+        assert rule.provisional == (mode == "peak") and rule.needs_measurement == (mode == "peak")
+        rule.update(kl=1e-3, lr=1e-4)  # curvature 1e5
+        replaced = mode == "peak"
+        averaged = (0.5 * 0.5 * 0.5 * 0.0 + 0.5 * 0.5 * 1e7 + 0.5 * 1e5) / (1 - 0.5**3)
+        assert rule.curvature.value == pytest.approx(1e5 if replaced else averaged)
+        assert not rule.needs_measurement
+        rule.update(kl=4e-3, lr=1e-4)  # then averaged as usual
+        assert rule.curvature.count == (2 if replaced else 4)
+        resumed = TrustRegionRate(1e-3, mode, ema_decay=0.5)
+        resumed.load_state_dict(json.loads(json.dumps(rule.state_dict())))
+        assert resumed.rate == rule.rate and resumed.provisional == rule.provisional
+
+
+def test_the_aimed_kl_is_delta_at_the_rules_rate_and_scales_with_the_square_of_the_rate():
+    rule = TrustRegionRate(1e-2, "peak", ema_decay=0.0)
+    assert math.isnan(rule.aimed_kl(1e-5))  # probing: nothing aimed at
+    rule.update(kl=1e-2 / 4, lr=1e-5)  # η_δ = 2e-5
+    assert rule.aimed_kl(2e-5) == pytest.approx(1e-2)
+    assert rule.aimed_kl(1e-5) == pytest.approx(1e-2 / 4)
 
 
 def test_options_are_checked():
@@ -366,6 +410,32 @@ def test_the_trust_region_sets_the_rate_the_optimizer_uses(make_trainer):
     for h, used, factor in zip(logged, probe.seen, factors, strict=True):
         assert used == pytest.approx(1e-2 * h["snr/lr_factor"] * factor, rel=1e-6)
         assert h["snr/effective_lr"] == pytest.approx(used, rel=1e-6)
+
+
+def test_the_peak_form_follows_the_schedule_and_logs_what_each_step_aimed_at(make_trainer):
+    """Peak form, linear decay, measured every 4th step: the probe and the step after it are measured (the probe's
+    reading is replaced), and between measurements the trust-region factor holds while the rate used falls with the
+    schedule; every step after the probe logs the KL it aimed at, δ·(η/η̂_max)², beside the rate used."""
+    probe = RatesUsed()
+    trainer = make_trainer(lr_trust_region_kl=1e-3, lr_trust_region_mode="peak", lr_trust_region_measure_steps=4,
+                           max_steps=5, lr_scheduler_type="linear", use_snr_lr=False, callbacks=[probe])
+    probe.trainer = trainer
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if "loss" in h]
+    assert all(h["grad_norm"] > 0 for h in logged)
+    assert ["oblr/step_kl" in h for h in logged] == [True, True, False, False, False]
+    factors = _factors(trainer)
+    assert factors[0] == 0.01 and factors[2] == factors[3] == factors[4]
+    assert len(set(probe.seen[2:])) == 3  # the schedule shapes the steps between measurements
+    for h, used, factor in zip(logged, probe.seen, factors, strict=True):
+        assert used == pytest.approx(h["learning_rate"] * factor, rel=1e-6)
+        assert h["oblr/lr"] == h["snr/effective_lr"] == pytest.approx(used, rel=1e-6)
+    assert "oblr/step_kl_target" not in logged[0]  # the probe aims at nothing
+    assert all(h["oblr/step_kl_target"] > 0 for h in logged[1:])
+    rate = logged[1]["oblr/trust_region_rate"]  # η̂_max after the step that replaced the probe's reading
+    for h, used in zip(logged[2:], probe.seen[2:], strict=True):
+        if 0.01 < factors[2] < 10.0:
+            assert h["oblr/step_kl_target"] == pytest.approx(1e-3 * (used / rate) ** 2, rel=1e-6)
 
 
 def test_a_step_without_a_gradient_is_logged_but_does_not_change_the_curvature(make_trainer):

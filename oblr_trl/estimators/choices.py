@@ -12,4 +12,4 @@ BASELINE_WEIGHTS = ("logit", "length", "exact", "uniform")  # where w_i comes fr
 BASELINE_ESTIMATORS = ("weighted", "shrunk", "pooled_slope")  # how b* is estimated from them (`baselines`)
 SNR_ESTIMATORS = ("cross_step", "two_batch", "per_sample")  # how ‖μ‖² and tr Σ are estimated (`snr`)
 SNR_LR_REFERENCES = ("calibrated", "absolute")  # what the SNR factor is relative to (`snr`)
-TRUST_REGION_MODES = ("cap", "target")  # the forms of `trust_region.TrustRegionRate`
+TRUST_REGION_MODES = ("cap", "target", "peak")  # the forms of `trust_region.TrustRegionRate`

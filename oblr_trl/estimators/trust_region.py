@@ -1,4 +1,4 @@
-"""A learning rate sized by the measured policy step: the trust region of DESIGN §2, "Measured stability".
+"""A learning rate sized by the measured policy step: the trust region (docs/math.md, docs/rate_rule.md).
 
 The paper's step η_t = η_max·f_t leaves η_max = 1/(BL + B²M) to be set by hand. It can be measured. A step of size η
 along the optimizer's direction u moves the policy by
@@ -11,24 +11,37 @@ policy by a target δ per step is then η_δ = sqrt(δ / ĉ), with ĉ a smoothed
 to a desired KL this way for years (rsl_rl's `desired_kl`, by fixed multiplicative steps); here the step is read off
 the curvature directly.
 
-Two ways to use η_δ, with η_s = scheduled rate × SNR factor (the rate the SNR rule alone would use):
+Three ways to use η_δ, with η_s = scheduled rate × SNR factor (the rate the SNR rule alone would use) and η_peak the
+schedule's peak (the configured rate):
 
 * **cap**: η = min(η_s, η_δ) — the configured rate becomes a ceiling, never exceeded;
 * **target**: η = clip(η_δ, r_min·η_s, r_max·η_s) — the rate follows δ both ways, so a too-low configured rate is
-  raised as well as a too-high one lowered; the configured rate then only sets the start and the schedule's shape.
+  raised as well as a too-high one lowered. Inside its bounds the schedule and the SNR factor cancel: the rate used is
+  η_δ, constant between measurements;
+* **peak**: η = η_s · clip(η_δ/η_peak, r_min, r_max) = η̂_max · (scheduled ÷ peak) · f — the paper's η_t = η_max·f_t
+  with η_max measured: η_δ replaces the configured *peak* rate, and the user's schedule (warm-up, decay) and the SNR
+  factor shape every step around it. δ is then the KL aimed at at the schedule's peak; a step at rate η below η̂_max
+  aims at δ·(η/η̂_max)² (`aimed_kl`).
 
-Both are written as a factor on η_s, floored at r_min so that a spike of curvature cannot stall training. Until a
+All are written as a factor on η_s, floored at r_min so that a spike of curvature cannot stall training. Until a
 step has moved the policy there is no curvature to size the step with, so that step is a **probe** at r_min·η_s: it
 measures the curvature at a rate too small to do harm, and the next step is sized by it. Without the probe the first
 step runs at the configured rate unmeasured, and Adam's first step is its largest (m̂/√v̂ = sign(g), every coordinate
 moves by the full rate): on SmolLM2 at 10× the best rate that one step moved the policy by 6.8 nats a token and the
-run never recovered (docs/trust_region.md).
+run never recovered (CHANGELOG.md).
+
+The probe's reading overstates the curvature of the steps after it: Adam's first step moves every coordinate by the
+full rate, later steps mostly less, so KL/η² of the probe was a median 6.4× that of the next measured step on SmolLM2
+a + b (40 runs of the target form; 38 above 1.9×), and the measured steps after it landed at a median 0.16 of the KL
+the averaged curvature predicted. In the `peak` form the probe's reading is therefore **provisional**: the step after
+the probe is measured too, and its reading replaces the probe's in the average (`needs_measurement`). The `cap` and
+`target` forms keep the probe's reading, as they were validated.
 
 Only steps driven by a gradient are measured. A step whose gradient is zero (every group scored alike) still moves the
 parameters by Adam's momentum, m̂/√v̂ with no new gradient in m, a move far shorter than a gradient step of the same
 rate, so its KL/η² understates the curvature the next gradient step meets: on SmolLM2 (seed 1, 3× the best rate,
 target form) three such steps in a row lowered ĉ 7-fold, the next gradient step ran at 4.9e-4, moved the policy by
-5.7 nats a token and the rewards were 0 for the next 12 steps (docs/trust_region.md). Nor does the target form raise
+5.7 nats a token and the rewards were 0 for the next 12 steps (CHANGELOG.md). Nor does the target form raise
 such a step above the scheduled rate (`OptimizerStepControl.note_grad_norm`): on SmolLM2 (seed 0, the best rate) five
 momentum-only steps at 6–10× the schedule drifted a policy that had learned until it collapsed. Where the gradient
 norm is not known before the step (DeepSpeed computes it inside), such a step keeps its factor.
@@ -54,7 +67,7 @@ __all__ = ["TrustRegionRate", "largest_factor", "sampled_token_kl"]
 
 def largest_factor(mode: str, max_ratio: float) -> float:
     """The ceiling of the trust-region factor in ``mode``: 1 for ``"cap"`` (η ≤ η_s, never raised) and r_max for
-    ``"target"`` (η ≤ r_max·η_s)."""
+    ``"target"`` and ``"peak"`` (η ≤ r_max·η_s)."""
     return 1.0 if mode == "cap" else max_ratio
 
 
@@ -80,11 +93,13 @@ class TrustRegionRate:
     """The factor that keeps each optimizer step's measured KL near ``target_kl`` (module docstring).
 
     Args:
-        target_kl: δ, the mean per-token KL(π_t ‖ π_{t+1}) a step may move the policy by.
-        mode: ``"cap"`` (never above the scheduled × SNR rate) or ``"target"`` (follows δ both ways).
+        target_kl: δ, the mean per-token KL(π_t ‖ π_{t+1}) a step may move the policy by (at the schedule's peak in
+            the ``"peak"`` form).
+        mode: ``"cap"`` (never above the scheduled × SNR rate), ``"target"`` (follows δ both ways) or ``"peak"``
+            (η_δ replaces the schedule's peak rate; the schedule and the SNR factor shape the steps around it).
         ema_decay: decay of the bias-corrected moving average of the curvature KL/η².
-        min_ratio: smallest factor (both modes).
-        max_ratio: largest factor of ``"target"`` (``"cap"`` never exceeds 1).
+        min_ratio: smallest factor (every form).
+        max_ratio: largest factor of ``"target"`` and ``"peak"`` (``"cap"`` never exceeds 1).
     """
 
     def __init__(self, target_kl: float, mode: str = "cap", ema_decay: float = 0.5, min_ratio: float = 0.01,
@@ -96,19 +111,25 @@ class TrustRegionRate:
         self.target_kl, self.mode = float(target_kl), mode
         self.min_ratio, self.max_ratio = float(min_ratio), float(max_ratio)
         self.curvature = BiasCorrectedEMA(ema_decay)
+        self.provisional = False  # the curvature is the probe's reading alone ("peak": replaced by the next one)
 
     def update(self, kl: float, lr: float) -> bool:
         """A step of rate ``lr`` moved the policy by ``kl``: fold KL/lr² into the curvature. Returns whether it
-        counted (a zero or non-finite rate, or a non-finite KL, is no measurement)."""
+        counted (a zero or non-finite rate, or a non-finite KL, is no measurement). In the ``"peak"`` form the probe's
+        reading is provisional: the next reading replaces it."""
         if not (math.isfinite(kl) and math.isfinite(lr) and lr > 0):
             return False
+        was_probe = self.probing
+        if self.provisional:
+            self.curvature = BiasCorrectedEMA(self.curvature.decay)
         self.curvature.update(max(kl, 0.0) / lr**2)
+        self.provisional = self.mode == "peak" and was_probe and not self.probing
         return True
 
     @property
     def rate(self) -> float:
         """η_δ = sqrt(δ / ĉ): the rate the smoothed curvature says moves the policy by δ (inf before any measurement
-        or while no step moved it)."""
+        or while no step moved it). In the ``"peak"`` form this is η̂_max, the measured peak rate."""
         curvature = self.curvature.value
         if not math.isfinite(curvature) or curvature <= 0:
             return math.inf
@@ -120,18 +141,33 @@ class TrustRegionRate:
         probe (factor r_min) and measuring it is the only way to size the ones after."""
         return math.isinf(self.rate)
 
-    def factor(self, base_lr: float) -> float:
-        """The factor on ``base_lr`` (scheduled rate × SNR factor) for the next step: min(1, η_δ/η_s) (cap) or
-        clip(η_δ/η_s, r_min, r_max) (target), never below r_min; r_min (the probe) until a step has moved the
-        policy."""
+    @property
+    def needs_measurement(self) -> bool:
+        """Whether the next step must be measured whatever the cadence: while probing, and in the ``"peak"`` form
+        while the curvature is the probe's provisional reading."""
+        return self.probing or self.provisional
+
+    def aimed_kl(self, lr: float) -> float:
+        """The KL the smoothed curvature predicts for a step of rate ``lr``: ĉ·lr² = δ·(lr/η_δ)² (NaN while
+        probing: nothing is aimed at)."""
+        if self.probing or not math.isfinite(lr):
+            return math.nan
+        return self.target_kl * (lr / self.rate) ** 2
+
+    def factor(self, base_lr: float, peak_lr: float | None = None) -> float:
+        """The factor on ``base_lr`` (scheduled rate × SNR factor) for the next step: min(1, η_δ/η_s) (cap),
+        clip(η_δ/η_s, r_min, r_max) (target) or clip(η_δ/η_peak, r_min, r_max) (peak, ``peak_lr`` the schedule's
+        peak; ``base_lr`` when not given), never below r_min; r_min (the probe) until a step has moved the policy."""
         if not base_lr > 0:
             return 1.0
         if self.probing:
             return self.min_ratio
-        return min(largest_factor(self.mode, self.max_ratio), max(self.min_ratio, self.rate / base_lr))
+        reference = peak_lr if self.mode == "peak" and peak_lr is not None and peak_lr > 0 else base_lr
+        return min(largest_factor(self.mode, self.max_ratio), max(self.min_ratio, self.rate / reference))
 
     def state_dict(self) -> dict[str, Any]:
-        return {"curvature": self.curvature.state_dict()}
+        return {"curvature": self.curvature.state_dict(), "provisional": self.provisional}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.curvature.load_state_dict(state["curvature"])
+        self.provisional = bool(state.get("provisional", False))

@@ -70,9 +70,10 @@ class OBLRPOConfig(OBLRPOOptions, GRPOConfig):  # this base order keeps GRPOConf
 
     OBLR-PO (Huang, Sheng, Zheng, [arXiv 2511.23310](https://huggingface.co/papers/2511.23310)) changes two things in
     GRPO: the advantage baseline is the variance-optimal, gradient-weighted one, and the learning rate of each
-    optimizer step is scaled by a factor driven by the measured gradient signal-to-noise ratio. By default the rate is
-    also capped by a trust region of the step, sized from the policy KL each step is measured to cause (ours: the
-    paper leaves its η_max unmeasured).
+    optimizer step is scaled by a factor driven by the measured gradient signal-to-noise ratio. On top of the paper, a
+    trust region measures the policy KL a step causes and sets the rate that moves the policy by δ (ours: the paper
+    leaves its η_max unmeasured); in the default `"target"` form that rate is the one used, within 0.01–10× the
+    scheduled rate.
 
     Parameters:
         > Parameters that control the baseline
@@ -174,7 +175,7 @@ class OBLRPOConfig(OBLRPOOptions, GRPOConfig):  # this base order keeps GRPOConf
         snr_lr_floor (`float`, *optional*, defaults to `0.1`):
             Smallest factor of `"absolute"`, in (0, 1]: a flat reward landscape (no signal) cannot stall training.
 
-        > Parameters that control the trust region of the step (DESIGN §2, "Measured stability")
+        > Parameters that control the trust region of the step (docs/rate_rule.md)
 
         lr_trust_region_kl (`float` or `None`, *optional*, defaults to `0.01`):
             Target δ of the mean per-token KL(π_t ‖ π_{t+1}) one optimizer step may move the policy by. After a step
@@ -193,20 +194,25 @@ class OBLRPOConfig(OBLRPOOptions, GRPOConfig):  # this base order keeps GRPOConf
             against the cap's 0.109 and GRPO's 0.247) and at GRPO's best rate it was level with GRPO (+0.033
             [−0.012, +0.083], 10 seeds); on products (a × b, δ unchanged, measured every 8th step) its regret was
             0.024 against the cap's 0.103; it costs one no-grad forward of at most 8 of the step's completions every
-            16th step with a gradient (about 0.7 % of a GRPO step on 2 CPU cores; docs/trust_region.md has the
+            16th step with a gradient (about 0.7 % of a GRPO step on 2 CPU cores; benchmarks/README.md has the
             measured cost). `None`: no trust region and no measuring forward (TRL's step).
         lr_trust_region_mode (`str`, *optional*, defaults to `"target"`):
-            `"target"`: the rate follows δ both ways within [`lr_trust_region_min_ratio`,
-            `lr_trust_region_max_ratio`] × scheduled · f_SNR — a too-low configured rate (TRL's default 1e-6
-            included) is raised too. A step with a zero gradient, which Adam's momentum alone drives, is never raised
-            above scheduled · f_SNR. `"cap"`: lr = min(scheduled · f_SNR, trust-region rate) — the configured rate
-            becomes a ceiling; it only ever lowers the rate (the default until 2026-11-28: at 1e-6 it ended 0.29
-            below the target on a + b, docs/trust_region.md).
+            How the trust-region rate η_δ = sqrt(δ/ĉ) sets the rate used, η_s = scheduled · f_SNR:
+
+            - `"target"`: clip(η_δ, `lr_trust_region_min_ratio` · η_s, `lr_trust_region_max_ratio` · η_s). Inside
+              the bounds the rate used is η_δ: the schedule and the SNR factor cancel, and the rate is constant
+              between measurements. A too-low configured rate (TRL's default 1e-6 included) is raised too; a step
+              with a zero gradient, which Adam's momentum alone drives, is never raised above η_s.
+            - `"peak"`: η_s · clip(η_δ / η_peak, ...) with η_peak the schedule's peak (`learning_rate`) — the paper's
+              η_t = η_max · f_t with η_max measured: η_δ replaces the configured peak, and the schedule's shape and
+              the SNR factor act on every step. δ is the KL aimed at at the peak. The probe's reading (Adam's first
+              step, which overstates the curvature) is replaced by the next step's, which is measured too.
+            - `"cap"`: min(η_s, η_δ) — the configured rate becomes a ceiling; it only ever lowers the rate.
         lr_trust_region_min_ratio (`float`, *optional*, defaults to `0.01`):
             Smallest trust-region factor, in (0, 1]: a spike of curvature cannot stall training. Also the factor of
             the probe, the first step(s), before any curvature is measured.
         lr_trust_region_max_ratio (`float`, *optional*, defaults to `10.0`):
-            Largest trust-region factor of `"target"`, ≥ 1 (`"cap"` never exceeds 1).
+            Largest trust-region factor of `"target"` and `"peak"`, ≥ 1 (`"cap"` never exceeds 1).
         lr_trust_region_ema_decay (`float`, *optional*, defaults to `0.5`):
             Decay of the bias-corrected moving average of the curvature KL/lr², in [0, 1).
         lr_trust_region_sample_size (`int` or `None`, *optional*, defaults to `8`):
@@ -217,8 +223,9 @@ class OBLRPOConfig(OBLRPOOptions, GRPOConfig):  # this base order keeps GRPOConf
             step). The default 8 is the number of completions a step of the runs the trust region was validated on
             (SmolLM2 a + b, every step measured whole), so a larger step is measured at least as precisely relative to
             the policy's expected KL as those were. Per-completion KLs are heavy-tailed (one completion often holds
-            most of a step's KL): smaller samples are noisy, measured in docs/trust_region.md. `None`: every
-            completion. Vision-language models always measure every completion.
+            most of a step's KL): smaller samples are noisy, measured in
+            benchmarks/results/overhead/step_kl_sampling.md. `None`: every completion. Vision-language models always
+            measure every completion.
         lr_trust_region_measure_steps (`int`, *optional*, defaults to `16`):
             Measure the step KL on the first step and then on every this-many-th optimizer step with a gradient
             after the last one measured (1: every step). The trust region sizes the steps in between with the
@@ -227,7 +234,7 @@ class OBLRPOConfig(OBLRPOOptions, GRPOConfig):  # this base order keeps GRPOConf
             has moved the policy (a warm-up's first step, at rate 0, does not) every step with a gradient is. The
             default 16 held every cell of the a + b grid (1e-6 … 3e-4, 5 seeds, 10 at 1e-6 and 1e-5) as measuring
             every 8th step did (regret difference −0.003 [−0.023, +0.017]), for half its measuring forwards
-            (docs/trust_region.md). `log_step_kl` without a trust region measures every step.
+            (CHANGELOG.md). `log_step_kl` without a trust region measures every step.
         log_step_kl (`bool`, *optional*, defaults to `False`):
             Measure and log each step's KL (`oblr/step_kl`) without a trust region (one no-grad forward of the
             step's completions). Always on with `lr_trust_region_kl`.

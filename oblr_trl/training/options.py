@@ -177,16 +177,18 @@ class OBLRPOOptions:
             "rate is the one the smoothed curvature KL/lr² says gives δ (see lr_trust_region_mode); until a step has "
             "moved the policy, the step is a probe at lr_trust_region_min_ratio × the base rate; a step with a zero "
             "gradient (every group scored alike) moves only by momentum and is not measured. The default 0.01 "
-            "('target' form) makes the configured rate matter little (docs/trust_region.md). None: no trust region "
+            "('target' form) makes the configured rate matter little (docs/rate_rule.md). None: no trust region "
             "and no measuring forward."
         },
     )
     lr_trust_region_mode: str = field(
         default="target",
         metadata={
-            "help": "'target': the rate follows δ both ways within [lr_trust_region_min_ratio, "
-            "lr_trust_region_max_ratio] × scheduled × SNR factor, so a too-low rate is raised too (never a step "
-            "with a zero gradient); 'cap': min(scheduled × SNR factor, trust-region rate), which only lowers it.",
+            "help": "How the trust-region rate η_δ sets the rate used. 'target': η_δ within "
+            "[lr_trust_region_min_ratio, lr_trust_region_max_ratio] × scheduled × SNR factor, so inside those "
+            "bounds the rate is η_δ whatever the schedule and SNR factor; a too-low rate is raised too (never a step with a zero gradient). 'peak': "
+            "η_δ replaces the schedule's peak (your learning_rate), and the schedule and SNR factor shape every step "
+            "around it; the step after the probe is measured too. 'cap': min(scheduled × SNR factor, η_δ).",
             "choices": list(TRUST_REGION_MODES),
         },
     )
@@ -197,7 +199,7 @@ class OBLRPOOptions:
     )
     lr_trust_region_max_ratio: float = field(
         default=10.0,
-        metadata={"help": "Largest trust-region factor of 'target', >= 1 ('cap' never exceeds 1)."},
+        metadata={"help": "Largest trust-region factor of 'target' and 'peak', >= 1 ('cap' never exceeds 1)."},
     )
     lr_trust_region_ema_decay: float = field(
         default=0.5,
@@ -206,22 +208,19 @@ class OBLRPOOptions:
     lr_trust_region_sample_size: int | None = field(
         default=8,
         metadata={
-            "help": "Measure each step's KL on at most this many of the step's completions (over all processes), "
-            "drawn uniformly without replacement; a step with no more completions than this is measured whole. The "
-            "measuring forward then costs a bounded share of a step however large the batch. The default 8 is the "
-            "completions a step of the runs the trust region was validated on (SmolLM2 a + b: every step measured "
-            "whole), so a larger step is measured at least as precisely as those were; per-completion KLs are "
-            "heavy-tailed, and smaller samples are noisy (docs/trust_region.md). None: every completion "
-            "(vision-language models always measure every completion)."
+            "help": "Measure each step's KL on at most this many of the step's completions (over all processes, drawn "
+            "uniformly without replacement, the same draw in any layout), so the measuring forward costs a bounded "
+            "share of a step however large the batch; a step with no more completions is measured whole. 8 is what "
+            "a step of the runs δ was chosen on had; per-completion KLs are heavy-tailed, and smaller samples are "
+            "noisy (benchmarks/README.md). None: every completion (always, for vision-language models)."
         },
     )
     lr_trust_region_measure_steps: int = field(
         default=16,
         metadata={
             "help": "Measure the step KL on every this-many-th step with a gradient (1: every step), and on every "
-            "one until a step has moved the policy; the steps in between use the curvature last measured (k − 1 of k "
-            "measuring forwards saved; a jump of curvature seen up to k − 1 steps later). 16 held the a + b grid as "
-            "8 did (docs/trust_region.md). log_step_kl without a trust region measures every step."
+            "one until a step has moved the policy; the steps between use the curvature last measured (a jump of "
+            "curvature is seen up to k − 1 steps later). log_step_kl without a trust region measures every step."
         },
     )
     log_step_kl: bool = field(

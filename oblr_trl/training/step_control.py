@@ -8,7 +8,9 @@ not finite on any process, and logs the factor of an applied step or the skip of
 (DeepSpeed's ZeRO optimizers call the torch optimizer's `step` once per param group).
 
 The factor is the SNR factor f times the trust-region factor g (`estimators.trust_region`), which is computed on the
-rate the SNR rule alone would use, scheduled × f: lr = scheduled · f · g. The scheduler never sees either.
+rate the SNR rule alone would use, scheduled × f, and the schedule's peak (the rate the scheduler multiplies, its
+``initial_lr``): lr = scheduled · f · g. The scheduler never sees either. The rate used is logged as `oblr/lr` (and,
+for one release, under its old name `snr/effective_lr`).
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ class OptimizerStepControl:
         accelerator: the Trainer's accelerator (device, processes, gather).
         metrics: where the step's factor and skips are logged (the trainer's train metrics).
         snr_factor: the SNR factor of the next step, read when it begins; None: no SNR factor.
-        trust_factor: ``base_lr -> `` the trust-region factor on the rate ``base_lr`` = scheduled × SNR factor; None:
-            no trust region.
+        trust_factor: ``(base_lr, peak_lr) ->`` the trust-region factor on the rate ``base_lr`` = scheduled × SNR
+            factor, ``peak_lr`` the schedule's peak; None: no trust region.
         gate: refuse non-finite steps (`skip_nonfinite_steps`).
         current_step: the optimizer steps done so far, for the warning of a skipped step.
     """
@@ -42,7 +44,7 @@ class OptimizerStepControl:
         accelerator,
         metrics: MutableMapping[str, list],
         snr_factor: Callable[[], float] | None,
-        trust_factor: Callable[[float], float] | None,
+        trust_factor: Callable[[float, float], float] | None,
         gate: bool,
         current_step: Callable[[], int],
     ):
@@ -77,8 +79,10 @@ class OptimizerStepControl:
         self.snr_part = self.snr_factor() if self.snr_factor is not None else 1.0
         self.trust_part = 1.0
         if self.trust_factor is not None and self.optimizer is not None:
-            scheduled = float(self.optimizer.param_groups[0]["lr"])  # the scheduler has set this step's
-            self.trust_part = self.trust_factor(scheduled * self.snr_part)
+            group = self.optimizer.param_groups[0]
+            scheduled = float(group["lr"])  # the scheduler has set this step's
+            peak = float(group.get("initial_lr", scheduled))  # what the schedule multiplies (torch's LRScheduler)
+            self.trust_part = self.trust_factor(scheduled * self.snr_part, peak)
         self.factor = self.snr_part * self.trust_part
         self._scaled_lr: float | None = None  # the rate a scaled step used, once it ran
         self.loss_finite = torch.ones((), dtype=torch.bool)
@@ -97,7 +101,7 @@ class OptimizerStepControl:
         A step with a zero gradient (every group scored alike) moves the parameters by Adam's momentum alone and
         measures nothing, so the trust region may not raise its rate above the scheduled × SNR rate: the target form
         otherwise drifted the policy at up to ``max_ratio`` × the schedule on such steps, and collapsed a run that had
-        learned (docs/trust_region.md). Lowering stays: a step the curvature says is too large is too large with or
+        learned (CHANGELOG.md). Lowering stays: a step the curvature says is too large is too large with or
         without a gradient."""
         self.grad_norm = None if grad_norm is None else float(grad_norm)
         self.grad_norm_finite = self.grad_norm is None or math.isfinite(self.grad_norm)
@@ -138,7 +142,8 @@ class OptimizerStepControl:
             self.metrics["snr/lr_factor"].append(self.snr_part)
         if self.trust_factor is not None:
             self.metrics["oblr/trust_region_factor"].append(self.trust_part)
-        self.metrics["snr/effective_lr"].append(self._scaled_lr)
+        self.metrics["oblr/lr"].append(self._scaled_lr)
+        self.metrics["snr/effective_lr"].append(self._scaled_lr)  # the old name, until the next minor release
 
     @property
     def applied_lr(self) -> float | None:

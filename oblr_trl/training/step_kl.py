@@ -1,18 +1,19 @@
-"""How far each optimizer step moved the policy, and the trust-region factor of the next step (DESIGN §2).
+"""How far each optimizer step moved the policy, and the trust-region factor of the next step (docs/rate_rule.md).
 
 [`StepKLRecorder`] is the trainer's collaborator for the step KL, as `StepNoiseRecorder` is for the SNR: the trainer
 hands it each training micro-batch with the log-probabilities the loss computed (the policy before the step; no extra
 forward), and after the optimizer step it runs one no-grad forward of each of the step's micro-batches under the
 updated policy, sums the k3 estimates of KL(π_t ‖ π_{t+1}) and the token counts over processes (one collective), logs
 the mean per token as `oblr/step_kl` and, with a `TrustRegionRate`, folds it into the curvature that sizes the next
-step.
+step. With a rule, every step after the probe also logs `oblr/step_kl_target`, the KL the curvature known before the
+step predicted for its rate (δ at the rule's rate), so that what a step aimed at and what it did sit side by side.
 
 By default every token of the step counts; it costs one no-grad forward of the step's completions, as TRL's own
 old-log-probability pass does when `num_iterations > 1`. With ``measure_every`` = k > 1 only the first step and every
 k-th step after the last one measured are (k − 1 forwards in k saved), and every step until one has moved the policy
 (a step at rate 0, the first of a warm-up, does not); the rule sizes the steps in between with the curvature it last
 measured, which predicts the next step's about as well (the per-step curvature is mostly noise from one step to the
-next: docs/trust_region.md). With a sample size n, the forward runs on n of the step's
+next: benchmarks/results/overhead/step_kl_sampling.md). With a sample size n, the forward runs on n of the step's
 completions only, drawn uniformly without replacement over every process's completions of the step (the same draw
 in any process layout: a permutation of the step's global row order seeded by the run's seed and the step), and the
 KL is the mean per token over the sampled completions' tokens. Either way the measurement does not depend on how the
@@ -95,6 +96,8 @@ class StepKLRecorder:
         kept, self._batches = self._batches, []
         if not kept or lr is None:  # no micro-batch ran, or the step was refused (on every process alike): no move
             return
+        if self.rule is not None and not self.rule.probing:  # what the curvature known before the step predicted
+            metrics["oblr/step_kl_target"].append(self.rule.aimed_kl(lr))
         if not self._due(grad_norm):
             self._log_rate(metrics)
             return
@@ -133,13 +136,14 @@ class StepKLRecorder:
         """Whether the step just taken is measured (``measure_every``); counts it among the unmeasured otherwise.
         Until a measured step has moved the policy the rule has no curvature to size the steps in between with, so
         every step with a gradient is measured: a warm-up that starts at rate 0 would otherwise hold the probe's
-        factor for k steps. Every process decides alike: the gradient norm, the step count and the rule's state are
-        the same on all of them."""
+        factor for k steps. In the ``"peak"`` form the step after the probe is measured too (its reading replaces the
+        probe's, `TrustRegionRate.needs_measurement`). Every process decides alike: the gradient norm, the step count
+        and the rule's state are the same on all of them."""
         if self.measure_every == 1:
             return True
         if grad_norm == 0.0:
             return False
-        if self.unmeasured_steps + 1 >= self.measure_every or (self.rule is not None and self.rule.probing):
+        if self.unmeasured_steps + 1 >= self.measure_every or (self.rule is not None and self.rule.needs_measurement):
             self.unmeasured_steps = 0
             return True
         self.unmeasured_steps += 1
@@ -177,9 +181,10 @@ class StepKLRecorder:
         index = index.to(mask.device)
         return select_rows(batch, index, mask.size(0)), old[index], mask[index] * counted
 
-    def factor(self, base_lr: float) -> float:
-        """The trust-region factor on ``base_lr`` (scheduled rate × SNR factor) for the next step; 1 without a rule."""
-        return 1.0 if self.rule is None else self.rule.factor(base_lr)
+    def factor(self, base_lr: float, peak_lr: float | None = None) -> float:
+        """The trust-region factor on ``base_lr`` (scheduled rate × SNR factor) for the next step, ``peak_lr`` the
+        schedule's peak; 1 without a rule."""
+        return 1.0 if self.rule is None else self.rule.factor(base_lr, peak_lr)
 
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {"measured_steps": self.measured_steps, "unmeasured_steps": self.unmeasured_steps}

@@ -1,7 +1,7 @@
 """`OBLRPOTrainer`: TRL's `GRPOTrainer` with the gradient-weighted baseline and the SNR-driven learning rate.
 
-The trainer is glue: it overrides the hooks of TRL 1.16 that DESIGN §3 names and hands each concern to a collaborator
-that keeps its own bookkeeping:
+The trainer is glue: it overrides the hooks of TRL 1.16 that docs/architecture.md names and hands each concern to a
+collaborator that keeps its own bookkeeping:
 
 * `CompletionWeights` (`completion_weights.py`): the weights w_i of a generation batch and per-sample gradient norms;
 * the advantages, recomputed at the end of `_generate_and_score_completions` on the rewards and weights gathered from
@@ -94,9 +94,9 @@ class OBLRPOTrainer(GRPOTrainer):
        w ∝ ‖∇_θ log π(o|q)‖² (see `OBLRPOConfig.baseline_estimator` and `baseline_weights`).
     2. The scheduled learning rate of each optimizer step is scaled by a factor driven by the measured gradient
        SNR = ‖μ‖²/tr Σ through f_t = N·SNR/(1 + N·SNR) (see `OBLRPOConfig.snr_lr_reference`).
-    3. After each optimizer step the policy KL it caused is measured on the step's completions, and the next step's
-       rate is capped at the one that moves the policy by δ (see `OBLRPOConfig.lr_trust_region_kl`; `None` turns it
-       off).
+    3. The policy KL an optimizer step caused is measured on some of its completions (every 16th step by default),
+       and the next steps' rate is set from it to the one that moves the policy by δ, in the form
+       `OBLRPOConfig.lr_trust_region_mode` says (`lr_trust_region_kl=None` turns it off).
 
     Example:
 
@@ -321,7 +321,7 @@ class OBLRPOTrainer(GRPOTrainer):
         )
 
     # ------------------------------------------------------------------------------------------------------------
-    # Advantages (DESIGN §2, §3)
+    # Advantages (docs/math.md)
     # ------------------------------------------------------------------------------------------------------------
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
@@ -426,7 +426,7 @@ class OBLRPOTrainer(GRPOTrainer):
             metrics["oblr/weights/group_max_min_ratio"].append(spread.mean().item())
 
     # ------------------------------------------------------------------------------------------------------------
-    # SNR-driven learning rate (DESIGN §2, §3)
+    # SNR-driven learning rate (docs/math.md)
     # ------------------------------------------------------------------------------------------------------------
 
     def _get_per_token_logps_and_entropies(self, model, *args, **kwargs):
