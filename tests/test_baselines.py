@@ -14,7 +14,7 @@ INF, NAN = float("inf"), float("nan")
 
 
 def naive_baseline(rewards: list[float], weights: list[float], i: int, leave_one_out: bool):
-    """(baseline, fell_back) for completion i, written as plainly as possible (DESIGN §2)."""
+    """(baseline, fell_back) for completion i, written as plainly as possible (docs/math.md)."""
     if not math.isfinite(rewards[i]):
         return NAN, False
     others = [j for j in range(len(rewards)) if (j != i or not leave_one_out) and math.isfinite(rewards[j])]

@@ -66,7 +66,7 @@ def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def test_optimal_baseline_minimises_estimator_variance(tiny_policy_pools):
-    """b* = E[w r]/E[w] from exact norms gives the smallest variance (DESIGN §4, correctness).
+    """b* = E[w r]/E[w] from exact norms gives the smallest variance (docs/math.md; correctness).
 
     b* is estimated on one pool of completions and the variances are measured on another (no tautology). The
     optimality is a theorem for any reward; the margin over other constant baselines is E[w](b − b*)², visible above

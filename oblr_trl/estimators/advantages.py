@@ -1,4 +1,4 @@
-"""From rewards and weights to OBLR-PO advantages A_i = r_i − b_i (DESIGN §2).
+"""From rewards and weights to OBLR-PO advantages A_i = r_i − b_i (docs/math.md).
 
 Pure tensor code. Completions are laid out group by group, ``G`` consecutive entries per prompt, as TRL gathers them.
 A reward that is not finite (NaN for "every reward function returned None", ±inf from a faulty function) marks the
@@ -89,7 +89,7 @@ def aggregate_rewards(
 
 
 def rows_whose_weights_matter(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """``(N,)`` bool: True for the completions of groups whose scored rewards are not all equal (DESIGN §2).
+    """``(N,)`` bool: True for the completions of groups whose scored rewards are not all equal (docs/math.md).
 
     Every estimate of b* = E[w r]/E[w] from a group whose scored rewards are all r is r, whatever the weights (the
     baselines take a mean of identical rewards exactly, `baselines._baseline_over`), and such a group adds nothing to
@@ -114,7 +114,7 @@ def gradient_weighted_advantages(
     shrinkage: float = 0.5,
     slope: float | torch.Tensor = 0.0,
 ) -> AdvantageResult:
-    """A_i = (r_i − b_i) / s with a gradient-weighted baseline b_i (DESIGN §2).
+    """A_i = (r_i − b_i) / s with a gradient-weighted baseline b_i (docs/math.md).
 
     b_i estimates b* = E[w r]/E[w] from the group, leave-one-out or over the whole group: ``estimator`` `"weighted"`
     ([`gradient_weighted_loo_baseline`] / [`group_weighted_baseline`]), `"shrunk"` ([`shrunk_baseline`], with

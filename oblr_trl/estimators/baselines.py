@@ -1,4 +1,4 @@
-"""Variance-optimal, gradient-weighted baselines for group policy-gradient estimators (DESIGN §2).
+"""Variance-optimal, gradient-weighted baselines for group policy-gradient estimators (docs/math.md).
 
 For a prompt q with a group of G completions o_1..o_G, rewards r_i and weights w_i ∝ ‖∇_θ log π(o_i|q)‖², the
 baseline that minimises the trace of the covariance of the REINFORCE estimator (r − b)·g is
@@ -93,7 +93,7 @@ def _baseline_over(rewards: torch.Tensor, weights: torch.Tensor, include: torch.
 
 
 def gradient_weighted_loo_baseline(rewards: torch.Tensor, weights: torch.Tensor) -> BaselineResult:
-    """Leave-one-out gradient-weighted baseline (DESIGN §2, "Leave-one-out").
+    """Leave-one-out gradient-weighted baseline (docs/math.md).
 
         b_i = Σ_{j≠i} w_j r_j / Σ_{j≠i} w_j
 
@@ -115,7 +115,7 @@ def gradient_weighted_loo_baseline(rewards: torch.Tensor, weights: torch.Tensor)
 
 
 def group_weighted_baseline(rewards: torch.Tensor, weights: torch.Tensor) -> BaselineResult:
-    """Whole-group gradient-weighted baseline, b = Σ_j w_j r_j / Σ_j w_j (DESIGN §2; verl's OPO/OTB form).
+    """Whole-group gradient-weighted baseline, b = Σ_j w_j r_j / Σ_j w_j (docs/math.md; verl's OPO/OTB form).
 
     Every completion of a group gets the same baseline, which includes its own reward: the estimator is biased by
     O(1/G) (measured in ``tests/test_estimator_properties.py``). Falls back to the uniform group mean when Σ_j w_j is

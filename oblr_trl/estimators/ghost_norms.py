@@ -4,7 +4,7 @@ For every row i of a batch this computes
 
     w_i = ‖∇_θ Σ_t s_it log p_θ(y_it | y_i,<t)‖²      over the trainable parameters θ,
 
-without one backward per row and without materialising a per-sample gradient (DESIGN §2 `exact` row, §4). Rows of a
+without one backward per row and without materialising a per-sample gradient (docs/per_sample_norms.md). Rows of a
 transformer batch do not interact, so row i's gradient of a parameter is built from row i's activations only:
 
 * linear layer y = x Wᵀ + b, inputs A_i (T×d_in), output gradients G_i (T×d_out):
@@ -48,7 +48,7 @@ _HEAD_BLOCK_BYTES = 64 * 2**20
 
 
 def pass_bytes_per_row(config, tokens: int, element_size: int, checkpointed_layers: int) -> int:
-    """An upper estimate of the bytes one more row adds to the peak of `log_likelihood_grad_sq_norms` (DESIGN §4).
+    """An upper estimate of the bytes one more row adds to the peak of `log_likelihood_grad_sq_norms`.
 
     With T tokens a row, hidden size d, MLP width m, H attention heads, L layers of which C are checkpointed, and e
     bytes an activation:

@@ -1,8 +1,8 @@
 """Exact per-sample squared gradient norms by one backward pass per sample (the reference implementation).
 
-Used for the `exact` baseline weights, w_i = ‖∇_θ log π(o_i|q)‖² over the trainable parameters (DESIGN §2 table), and
-for the `per_sample` SNR estimator. It costs one backward per sample; it is the oracle that faster implementations are
-tested against.
+Used for the `exact` baseline weights, w_i = ‖∇_θ log π(o_i|q)‖² over the trainable parameters (docs/math.md),
+and for the `per_sample` SNR estimator. It costs one backward per sample; it is the oracle that faster
+implementations are tested against.
 """
 
 from __future__ import annotations

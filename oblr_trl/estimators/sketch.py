@@ -1,9 +1,9 @@
 """Random-projection sketches of gradients: unbiased inner products of two steps' gradients without a second copy.
 
-The cross-step SNR estimator (DESIGN §2, `snr.cross_step_noise_estimate`) needs ⟨G_t, G_{t−1}⟩, the inner product of
-two consecutive optimizer steps' gradients. Keeping G_{t−1} would cost a full copy of the trainable parameters. A
-sketch keeps, per parameter tensor X viewed as a matrix (a × b), the projection of its larger side onto k Rademacher
-(±1) directions, X·V/√k with V of shape (b × k) (or Vᵀ·X/√k when a > b). Because E[V Vᵀ] = k·I,
+The cross-step SNR estimator (`snr.cross_step_noise_estimate`, docs/math.md) needs ⟨G_t, G_{t−1}⟩,
+the inner product of two consecutive optimizer steps' gradients. Keeping G_{t−1} would cost a full copy of the
+trainable parameters. A sketch keeps, per parameter tensor X viewed as a matrix (a × b), the projection of its larger
+side onto k Rademacher (±1) directions, X·V/√k with V of shape (b × k) (or Vᵀ·X/√k when a > b). Because E[V Vᵀ] = k·I,
 
     E⟨X V/√k, Y V/√k⟩ = tr(Xᵀ Y E[V Vᵀ]) / k = ⟨X, Y⟩,
 

@@ -1,4 +1,4 @@
-"""Gradient signal-to-noise ratio and the learning-rate factor it drives (DESIGN §2, "SNR-driven learning rate").
+"""Gradient signal-to-noise ratio and the learning-rate factor it drives (docs/math.md).
 
 With μ the true gradient, Σ the per-sample covariance and N the samples in an optimizer step, the step size that
 minimises the paper's loss bound is
@@ -47,7 +47,7 @@ class NoiseEstimate:
 def two_batch_noise_estimate(
     small_batch_sq_norm: float, small_batch_size: float, full_batch_sq_norm: float, full_batch_size: float
 ) -> NoiseEstimate:
-    """Two-batch estimator of ‖μ‖² and tr(Σ) (DESIGN §2; McCandlish et al. 2018, appendix A.1).
+    """Two-batch estimator of ‖μ‖² and tr(Σ) (docs/math.md; McCandlish et al. 2018, appendix A.1).
 
     For a mean gradient G_B over B samples, E|G_B|² = ‖μ‖² + tr(Σ)/B. Two batch sizes b < N give two equations:
 
@@ -72,7 +72,7 @@ def two_batch_noise_estimate(
 def per_sample_noise_estimate(
     per_sample_sq_norm_sum: float, mean_grad_sq_norm: float, num_samples: float
 ) -> NoiseEstimate:
-    """Per-sample estimator of ‖μ‖² and tr(Σ) (DESIGN §2), from squared norms only.
+    """Per-sample estimator of ‖μ‖² and tr(Σ) (docs/math.md), from squared norms only.
 
     With per-sample gradient estimates g_1..g_N of μ and their mean ḡ, Σ_i ‖g_i − ḡ‖² = Σ_i ‖g_i‖² − N‖ḡ‖², so
 
@@ -91,7 +91,7 @@ def per_sample_noise_estimate(
 
 
 def cross_step_noise_estimate(step_sq_norm: float, cross_step_dot: float, num_units: float) -> NoiseEstimate:
-    """Cross-step estimator of ‖μ‖² and tr(Σ), with the prompt (group) as the sample unit (DESIGN §2).
+    """Cross-step estimator of ‖μ‖² and tr(Σ), with the prompt (group) as the sample unit (docs/math.md).
 
     Two optimizer steps whose data were generated from disjoint prompt batches have independent gradient noise, and
     while the policy moves little between them they share the true gradient μ. So, for the step gradients G_t and
@@ -117,7 +117,7 @@ def cross_step_noise_estimate(step_sq_norm: float, cross_step_dot: float, num_un
 
 
 def snr_lr_factor(grad_sq_norm: float, trace_cov: float, num_samples: float, floor: float = 0.0) -> float:
-    """f = N·SNR / (1 + N·SNR) = N‖μ‖² / (N‖μ‖² + tr Σ), clipped to [floor, 1] (DESIGN §2).
+    """f = N·SNR / (1 + N·SNR) = N‖μ‖² / (N‖μ‖² + tr Σ), clipped to [floor, 1] (docs/math.md).
 
     Negative estimates (noise) are read as zero: no measurable signal gives f = floor, no measurable noise gives
     f = 1. With neither (a zero gradient) the step does nothing whatever the learning rate, and f = 1.
@@ -129,7 +129,7 @@ def snr_lr_factor(grad_sq_norm: float, trace_cov: float, num_samples: float, flo
 
 
 def gradient_noise_scale(trace_cov: float, grad_sq_norm: float, completions_per_sample: float = 1.0) -> float:
-    """B_noise = tr(Σ) / ‖μ‖², McCandlish et al. 2018's "simple noise scale" (DESIGN §2), in completions.
+    """B_noise = tr(Σ) / ‖μ‖², McCandlish et al. 2018's "simple noise scale" (docs/math.md), in completions.
 
     tr(Σ) and ‖μ‖² are per sample of the estimator (a completion, or a prompt's group for the cross-step estimator), so
     B_noise counts samples; ``completions_per_sample`` (G for the cross-step estimator, else 1) turns it into
@@ -173,7 +173,7 @@ CALIBRATION_MIN_T = 2.0
 
 
 class CalibrationWindow:
-    """The reference factor f_ref of the calibrated SNR learning rate (DESIGN §2, "Revised after measurement").
+    """The reference factor f_ref of the calibrated SNR learning rate (docs/math.md).
 
     A user's learning rate is tuned for the noise their runs typically have; the calibrated mode reads it as the rate
     at the SNR measured early in training, after the learning-rate warm-up: η_t = η_sched(t) · f_t / f_ref. f_ref is
@@ -233,7 +233,7 @@ class CalibrationWindow:
 
 
 class SNRLearningRateController:
-    """Smooths per-step noise estimates and turns them into the learning-rate factor (DESIGN §2).
+    """Smooths per-step noise estimates and turns them into the learning-rate factor (docs/math.md).
 
     ‖μ‖² and tr(Σ) are smoothed separately with bias-corrected EMAs and the factor uses their ratio (as gpt-neox and
     AdaScale do): the ratio of two noisy estimates is far noisier than either. f_t = N·SNR/(1 + N·SNR) of the smoothed

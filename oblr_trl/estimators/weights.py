@@ -1,4 +1,5 @@
-"""Estimators of the per-completion weight w_i ∝ ‖∇_θ log π(o_i|q)‖² used by the baseline (DESIGN §2, table).
+"""Estimators of the per-completion weight w_i ∝ ‖∇_θ log π(o_i|q)‖² used by the baseline
+(docs/math.md).
 
 The baseline only needs the weights up to a common scale, so a cheap proxy is enough when it ranks completions like the
 true gradient norm does. Pure tensor code: inputs are per-token tensors ``(B, T)`` with a ``(B, T)`` mask of the tokens
@@ -29,8 +30,8 @@ def loss_token_gains(mask: torch.Tensor, loss_type: str) -> torch.Tensor:
     """The factor c_i by which the loss scales completion i's token terms, relative to the other completions.
 
     A completion's contribution to the loss gradient is A_i · c_i · Σ_t ψ_t (ψ_t = ∇ log p_t(y_t)); the weight of the
-    variance-optimal baseline is the squared norm of that contribution without A_i (DESIGN §2: w_i is the squared norm
-    of completion i's actual contribution for the configured `loss_type`). With a per-completion token mean
+    variance-optimal baseline is the squared norm of that contribution without A_i (docs/math.md: w_i is the squared
+    norm of completion i's actual contribution for the configured `loss_type`). With a per-completion token mean
     (`"grpo"`, `"sapo"`) c_i = 1/L_i, which reverses the length trend of a token-sum weight; otherwise c_i = 1 (a
     normaliser shared by the batch is a common scale, which the baseline ignores).
 
@@ -47,7 +48,7 @@ def loss_token_gains(mask: torch.Tensor, loss_type: str) -> torch.Tensor:
 
 
 def log_sum_sq_probs(logits: torch.Tensor) -> torch.Tensor:
-    """log Σ_v p(v)² of softmax(logits) over the last axis, computed stably (DESIGN §2, `logit` row).
+    """log Σ_v p(v)² of softmax(logits) over the last axis, computed stably (docs/math.md, `logit` row).
 
         log Σ_v p_v² = logsumexp(2z) − 2·logsumexp(z)
 
@@ -81,10 +82,10 @@ def logit_proxy_weights(
 ) -> torch.Tensor:
     """The default `logit` weight: w_i = Σ_t s_t ‖∂ log p_t(y_t)/∂z_t‖² over the completion tokens of i.
 
-    This is the squared norm of the gradient of log π(o_i|q) with respect to the logits, token by token (DESIGN §2,
-    table); it is exact for a policy whose parameters are the logits and a proxy for the parameter-gradient norm of a
-    network. ``token_scale`` s_t (default 1) carries the importance-sampling correction: with an IS ratio ρ_t on each
-    token's loss term, the token's gradient is scaled by ρ_t, so its squared norm by ρ_t² (DESIGN §2; see
+    This is the squared norm of the gradient of log π(o_i|q) with respect to the logits, token by token
+    (docs/math.md); it is exact for a policy whose parameters are the logits and a proxy for the parameter-gradient
+    norm of a network. ``token_scale`` s_t (default 1) carries the importance-sampling correction: with an IS ratio ρ_t on each
+    token's loss term, the token's gradient is scaled by ρ_t, so its squared norm by ρ_t² (docs/math.md; see
     ``docs/importance_sampling.md``).
 
     Args:
@@ -101,7 +102,7 @@ def logit_proxy_weights(
 
 
 def length_weights(mask: torch.Tensor, token_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """The `length` weight: w_i = Σ_t s_t, the number of completion tokens (verl OPO's proxy, DESIGN §2 table).
+    """The `length` weight: w_i = Σ_t s_t, the number of completion tokens (verl OPO's proxy, docs/math.md).
 
     ``token_scale`` as in [`logit_proxy_weights`]. Returns ``(B,)`` float32.
     """
@@ -109,7 +110,8 @@ def length_weights(mask: torch.Tensor, token_scale: torch.Tensor | None = None) 
 
 
 def uniform_weights(mask: torch.Tensor) -> torch.Tensor:
-    """The `uniform` weight: w_i = 1, which turns the weighted leave-one-out baseline into RLOO's (DESIGN §2 table)."""
+    """The `uniform` weight: w_i = 1, which turns the weighted leave-one-out baseline into RLOO's
+    (docs/math.md)."""
     return torch.ones(mask.shape[0], dtype=torch.float32, device=mask.device)
 
 

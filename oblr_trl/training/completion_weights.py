@@ -1,4 +1,4 @@
-"""Where each completion's weight w_i comes from, for the trainer's gradient-weighted baseline (DESIGN §2 table).
+"""Where each completion's weight w_i comes from, for the trainer's gradient-weighted baseline (docs/math.md).
 
 [`CompletionWeights`] is the trainer's collaborator for the weights, as `StepNoiseRecorder` is for the SNR: it holds
 what the weights need across a generation batch (the fused LM-head forward that also returns log Σ_v p², the logits
@@ -205,7 +205,7 @@ class CompletionWeights:
     def compute(
         self, output: dict[str, Any], record: list | None, mode: str, measure: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """Local weights w_i, one per completion of this process (DESIGN §2 table).
+        """Local weights w_i, one per completion of this process (docs/math.md).
 
         Each token's gradient enters the loss times a gain: the IS ratio ρ_t (vLLM correction) and the loss type's
         per-completion factor (1/L_i for a per-completion token mean); squared norms take the gains squared.

@@ -1,4 +1,5 @@
-"""What each optimizer step measured for the SNR-driven learning rate, and the factor of the next step (DESIGN §2, §3).
+"""What each optimizer step measured for the SNR-driven learning rate, and the factor of the next step
+(docs/math.md).
 
 The trainer tells a [`StepNoiseRecorder`] where a step is (a new generation batch, each training micro-batch, the
 step's gradient norm once every micro-batch is in); the recorder sums the step's statistics over processes in one
