@@ -1,0 +1,136 @@
+"""Docs that cannot rot: the configuration reference is generated from the code, every relative link and anchor of the
+README and the docs resolves, every metric the code logs is documented, and the pages keep the shape a reader needs
+(a README that lands, reference pages without dated history)."""
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = sorted((ROOT / "docs").glob("*.md"))
+PAGES = [ROOT / "README.md", ROOT / "CHANGELOG.md", ROOT / "benchmarks" / "README.md", *DOCS]
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
+DATE = re.compile(r"\b20\d\d-\d\d-\d\d\b")
+
+
+def prose_lines(text: str) -> list[str]:
+    """The lines outside fenced code blocks."""
+    lines, fenced = [], False
+    for line in text.splitlines():
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        elif not fenced:
+            lines.append(line)
+    return lines
+
+
+def anchors(page: Path) -> set[str]:
+    """GitHub's anchors of a markdown page's headings: lower case, punctuation dropped, spaces as hyphens, a repeated
+    heading numbered."""
+    seen: dict[str, int] = {}
+    result = set()
+    for line in prose_lines(page.read_text()):
+        heading = re.match(r"#{1,6} (.+)", line)
+        if not heading:
+            continue
+        slug = re.sub(r"[^\w\- ]", "", heading.group(1).strip().lower()).replace(" ", "-")
+        result.add(slug if slug not in seen else f"{slug}-{seen[slug]}")
+        seen[slug] = seen.get(slug, 0) + 1
+    return result
+
+
+def relative_links(page: Path) -> list[str]:
+    return [target for line in prose_lines(page.read_text()) for target in LINK.findall(line)
+            if not re.match(r"[a-z]+:", target)]
+
+
+def test_the_configuration_reference_is_what_the_code_generates():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import render_configuration
+
+    committed = (ROOT / "docs" / "configuration.md").read_text()
+    assert committed == render_configuration.render(), (
+        "docs/configuration.md differs from OBLRPOConfig's fields: run python scripts/render_configuration.py")
+
+
+def test_every_option_is_in_the_reference():
+    import dataclasses
+
+    from oblr_trl.training.options import OBLRPOOptions
+
+    reference = anchors(ROOT / "docs" / "configuration.md")
+    assert {f.name for f in dataclasses.fields(OBLRPOOptions)} <= reference
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_relative_link_and_anchor_resolves(page):
+    for target in relative_links(page):
+        path, _, anchor = target.partition("#")
+        linked = (page.parent / path).resolve() if path else page
+        assert linked.exists(), f"{page.name}: link to {target}: no such file"
+        if anchor:
+            assert linked.suffix == ".md", f"{page.name}: anchor on a file that is not markdown: {target}"
+            assert anchor in anchors(linked), f"{page.name}: link to {target}: no such heading in {linked.name}"
+
+
+def test_the_link_checker_finds_a_broken_link_and_a_missing_anchor(tmp_path):
+    (tmp_path / "a.md").write_text("# Title\n\n## Choosing δ for your model\n\n```bash\n# not a heading\n```\n")
+    (tmp_path / "b.md").write_text("[ok](a.md#choosing-δ-for-your-model) [web](https://x.org/#y) "
+                                   "[missing](c.md) [bad anchor](a.md#not-a-heading)\n")
+    assert anchors(tmp_path / "a.md") == {"title", "choosing-δ-for-your-model"}
+    assert relative_links(tmp_path / "b.md") == ["a.md#choosing-δ-for-your-model", "c.md", "a.md#not-a-heading"]
+
+
+def test_every_logged_metric_is_documented():
+    logged = set()
+    for module in (ROOT / "oblr_trl").rglob("*.py"):
+        logged |= set(re.findall(r"metrics\[\"([a-z_]+/[a-z_/]+)\"\]", module.read_text()))
+    assert len(logged) > 20
+    documented = (ROOT / "docs" / "metrics.md").read_text()
+    assert not {name for name in logged if f"`{name}`" not in documented}
+
+
+def test_the_readme_lands():
+    text = (ROOT / "README.md").read_text()
+    lines = text.splitlines()
+    assert len(lines) <= 120
+    first = "\n".join(lines[:40])
+    assert "pip install" in first and "from oblr_trl import OBLRPOConfig, OBLRPOTrainer" in first
+    assert not DATE.search(text), DATE.search(text)
+    assert "python -m pytest" in text and "oblr-trl train" in text
+
+
+@pytest.mark.parametrize("page", DOCS, ids=lambda p: p.name)
+def test_reference_pages_are_short_and_undated(page):
+    text = page.read_text()
+    assert len(text.splitlines()) <= 300
+    assert not re.search(r"default (until|since)", text, re.IGNORECASE)
+    dated = [line for line in prose_lines(text) if line.startswith("#") and DATE.search(line)]
+    assert not dated, dated
+
+
+# the defaults the prose quotes, each with the words around it, so that a changed default fails here until the prose
+# says the new one
+QUOTED_DEFAULTS = [
+    (r"δ = (\d[\d.]*)\b", lambda d: [d["lr_trust_region_kl"]]),
+    (r"within (\d[\d.]*)–(\d[\d.]*)×", lambda d: [d["lr_trust_region_min_ratio"], d["lr_trust_region_max_ratio"]]),
+    (r"every (\d+)th step", lambda d: [d["lr_trust_region_measure_steps"]]),
+    (r"on (\d+) completions", lambda d: [d["lr_trust_region_sample_size"]]),
+]
+QUOTING = [ROOT / "README.md", *DOCS, ROOT / "recipes" / "quickstart.yaml",
+           *sorted((ROOT / "notebooks").glob("*.ipynb"))]
+
+
+@pytest.mark.parametrize("page", QUOTING, ids=lambda p: str(p.relative_to(ROOT)))
+def test_defaults_quoted_in_prose_are_the_codes(page):
+    import dataclasses
+
+    from oblr_trl import OBLRPOConfig
+
+    defaults = {f.name: f.default for f in dataclasses.fields(OBLRPOConfig)}
+    for pattern, expected in QUOTED_DEFAULTS:
+        for found in re.findall(pattern, page.read_text()):
+            found = found if isinstance(found, tuple) else (found,)
+            assert [float(value) for value in found] == [float(v) for v in expected(defaults)], (page.name, pattern)
