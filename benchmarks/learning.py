@@ -72,7 +72,7 @@ REFERENCE = "grpo"
 TRACES = ("learning_rate", "grad_norm", "snr/lr_factor", "snr/effective_lr", "snr/bound_factor", "snr/grad_sq_norm_ema",
           "snr/trace_cov_ema", "snr/resolved", "snr/calibration_t", "snr/reference_factor", "oblr/step_kl",
           "oblr/trust_region_factor", "frac_reward_zero_std", "oblr/step_kl_target", "completions/mean_length",
-          "oblr/lr")
+          "oblr/lr", "oblr/update_rms", "oblr/trust_region_rate")
 PRESETS = {
     "cpu": {
         "model": "builtin:smollm2-135m-instruct",
@@ -196,6 +196,7 @@ def run_child(spec: dict) -> dict:
         result["lr_trust_region_sample_size"] = getattr(trainer.args, "lr_trust_region_sample_size", None)
         result["lr_trust_region_measure_steps"] = getattr(trainer.args, "lr_trust_region_measure_steps", None)
         result["lr_trust_region_mode"] = getattr(trainer.args, "lr_trust_region_mode", None)
+        result["lr_trust_region_curvature"] = getattr(trainer.args, "lr_trust_region_curvature", None)
     return result
 
 

@@ -30,6 +30,8 @@ Seven parts, each resumable and each writing into the one summary:
   of it).
 * ``delta`` — the per-step KL of the defaults at the best rate on validation seeds and the validation split, from
   which δ is chosen.
+* ``validation`` — any ``--methods`` on validation seeds (10, 11) and the validation split: where the rule's
+  constants are chosen (issue 56: how the trust region predicts its steps' KL).
 * ``transfer`` — the grid's δ, unchanged, on a second task, at GRPO's best rate there and 10× it, 3 paired seeds,
   against GRPO: from a + b products of operands 0…14, with OBLR-PO + cap and + target (`runs/transfer-products/`);
   from a ± b (``--problems a±b``) the built-in `arithmetic` task's products with operands 0…24 (GRPO's best rate
@@ -41,6 +43,7 @@ Seven parts, each resumable and each writing into the one summary:
     python benchmarks/stability.py --part synthetic      # 48 cells of 100 seeds (33 min on 2 busy cores)
     python benchmarks/stability.py --part smollm2        # a + b: 25 runs a method (7–15 min each), 2 at a time; resumes
     python benchmarks/stability.py --part delta          # 2 validation runs that choose δ
+    python benchmarks/stability.py --part validation --methods M   # M on validation seeds 10, 11 (choosing)
     python benchmarks/stability.py --part transfer-rate  # GRPO's best rate on a × b (0…14), validation seeds
     python benchmarks/stability.py --part transfer       # 9 runs on a × b and the untrained model; resumes
     python benchmarks/stability.py --part smollm2 --problems a±b   # the a ± b grid (results/stability-a-pm-b/)
@@ -138,15 +141,32 @@ SMOLLM2_METHODS["oblrpo-trust-target-every16"] = (
 # issue 56: the peak form (η̂_max measured by the trust region, the schedule and the SNR factor shaping every step; the
 # probe's reading replaced by the next step's) at the shipping cadence
 SMOLLM2_METHODS["oblrpo-trust-peak-every16"] = (
-    {"lr_trust_region_kl": PROBLEMS_DELTA, "lr_trust_region_mode": "peak", "lr_trust_region_measure_steps": 16},
-    TRL_SCHEDULE)
+    {"lr_trust_region_kl": PROBLEMS_DELTA, "lr_trust_region_mode": "peak", "lr_trust_region_measure_steps": 16,
+     "lr_trust_region_curvature": "per_rate"}, TRL_SCHEDULE)
+# issue 56, item 2: the peak form measuring every step (each step's KL beside what it aimed at, to replay predictors),
+# and both forms reading the curvature per unit of Adam's update (`lr_trust_region_curvature="per_update"`: also the
+# short early gaps between measurements) at the shipping cadence
+SMOLLM2_METHODS["oblrpo-trust-peak-every1"] = (
+    {"lr_trust_region_kl": PROBLEMS_DELTA, "lr_trust_region_mode": "peak", "lr_trust_region_measure_steps": 1,
+     "lr_trust_region_curvature": "per_rate"}, TRL_SCHEDULE)
+# the peak form per update at the δ the validation runs give for it (the median of their per-step KL scaled to the
+# schedule's peak, `trust_region_delta` in the summary: 4.9e-3 on a + b, rounded), not the cap's 90th percentile
+PEAK_DELTA_METHOD = "oblrpo-trust-peak-update-every16-kl0.005"
+SMOLLM2_METHODS[PEAK_DELTA_METHOD] = (
+    {"lr_trust_region_kl": 0.005, "lr_trust_region_mode": "peak", "lr_trust_region_measure_steps": 16,
+     "lr_trust_region_curvature": "per_update"}, TRL_SCHEDULE)
+for _form in ("peak", "target"):
+    SMOLLM2_METHODS[f"oblrpo-trust-{_form}-update-every16"] = (
+        {"lr_trust_region_kl": PROBLEMS_DELTA, "lr_trust_region_mode": _form, "lr_trust_region_measure_steps": 16,
+         "lr_trust_region_curvature": "per_update"}, TRL_SCHEDULE)
 # the grid of each problem set (below) is the symmetric one of issue 26: GRPO's best rate ÷10 … ×10, so that a rule
 # which only shrinks the rate loses at the low end what it saves at the high end; runs at other rates are reported
 # beside it, outside the regret
 SMOLLM2 = {"methods": [REFERENCE, "oblrpo", "oblrpo-no-trust", "oblrpo-paper", "grpo-trust-cap", "grpo-trust-target",
                        "oblrpo-trust-cap", "oblrpo-trust-cap-every4", "oblrpo-trust-cap-every8", "oblrpo-trust-target",
                        "oblrpo-trust-target-every8", "grpo-trust-cap-every8", "grpo-trust-target-every8",
-                       "oblrpo-trust-target-every16", "oblrpo-trust-peak-every16"],
+                       "oblrpo-trust-target-every16", "oblrpo-trust-peak-every16",
+                       "oblrpo-trust-peak-update-every16"],
            "seeds": [0, 1, 2, 3, 4], "steps": 40, "jobs": 2}
 # a ± b: GRPO's best rate 1e-4 (the learning benchmark), δ = 0.4 (validation seeds 10, 11: per-step KL spanning 8
 # decades, 4.1 nats a token at step 1 and 1e-10 once every group scores alike; 90th percentile 0.42), both measured
@@ -197,8 +217,8 @@ RESOLVE = {"rate": 3e-5, "seed": 0, "steps": 60, "config": {"per_device_train_ba
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", choices=["synthetic", "smollm2", "resolve", "delta", "transfer", "transfer-rate",
-                                           "summary"],
+    parser.add_argument("--part", choices=["synthetic", "smollm2", "resolve", "delta", "validation", "transfer",
+                                           "transfer-rate", "summary"],
                         default="summary")
     parser.add_argument("--methods", nargs="+", default=None,
                         help="methods of the part (default: all of the synthetic ones; on SmolLM2 GRPO, the "
@@ -843,16 +863,28 @@ def write_summary(args) -> None:
         kls = [kl for r in delta_runs for kl in r["traces"]["oblr/step_kl"] if math.isfinite(kl)]
         quartiles, deciles = statistics.quantiles(kls, n=4), statistics.quantiles(kls, n=10)
         problems = problems_of(delta_runs)
+        # the peak form aims δ at the schedule's peak and (per update) lands there: the KL each gradient step of the
+        # best rate would have moved at the peak rate, KL·(η_peak/η)², is what a δ for it reads off these runs
+        at_peak = [kl * (r["learning_rate"] / lr) ** 2 for r in delta_runs
+                   for kl, lr, grad in zip(r["traces"]["oblr/step_kl"], r["traces"]["learning_rate"],
+                                           r["traces"]["grad_norm"], strict=True)
+                   if math.isfinite(kl) and lr > 0 and grad != 0]
+        peak_quartiles = statistics.quantiles(at_peak, n=4)
         results["trust_region_delta"] = {"seeds": [r["seed"] for r in delta_runs],
                                          "rate": delta_runs[0]["learning_rate"], "split": "validation",
                                          "step_kl_quartiles": quartiles, "step_kl_90th_percentile": deciles[-1],
-                                         "chosen": problems["trust_region_kl"]}
+                                         "chosen": problems["trust_region_kl"],
+                                         "step_kl_at_peak_quartiles": peak_quartiles}
         markdown += [f"## Choosing δ of the trust region (validation seeds {[r['seed'] for r in delta_runs]}, the "
                      f"defaults at GRPO's best rate {delta_runs[0]['learning_rate']:g}, validation split)\n",
                      f"Per-step KL(π_t ‖ π_t+1) over {len(kls)} steps: quartiles {quartiles[0]:.2e} / "
                      f"{quartiles[1]:.2e} / {quartiles[2]:.2e}, 90th percentile {deciles[-1]:.2e}. Chosen δ = "
                      f"{problems['trust_region_kl']:g} (the 90th percentile, rounded: the largest steps the best rate "
-                     "takes while it learns).\n", ""]
+                     "takes while it learns).\n",
+                     f"Scaled to the schedule's peak, KL·(η_peak/η)² over the {len(at_peak)} steps with a gradient: "
+                     f"quartiles {peak_quartiles[0]:.2e} / {peak_quartiles[1]:.2e} / {peak_quartiles[2]:.2e} — the "
+                     "median is the δ a peak form whose steps land on their aim reads off these runs "
+                     f"(`{PEAK_DELTA_METHOD}`).\n", ""]
         trust_runs = [r for r in runs if r["method"] in [*RATE_FOLLOWERS, "oblrpo-paper"]]
         if trust_runs:
             rows = [[r["method"], r["learning_rate"], r["seed"], r["accuracy"], learning.auc(r),
@@ -927,7 +959,7 @@ def main(argv=None) -> int:
                     data[key] = {**earlier[key], **data[key]}
         output_dir.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(data))
-    elif args.part in ("smollm2", "resolve", "delta", "transfer", "transfer-rate"):
+    elif args.part in ("smollm2", "resolve", "delta", "validation", "transfer", "transfer-rate"):
         folder = runs_dir
         if args.part == "smollm2":
             methods = grid_methods(args.methods or SMOLLM2["methods"], PROBLEMS[args.problems])
@@ -937,6 +969,11 @@ def main(argv=None) -> int:
                                            problems=PROBLEMS[args.problems])
         elif args.part == "delta":
             specs, initial = smollm2_specs(args, [DELTA["method"]], args.rates or [PROBLEMS[args.problems]["best_rate"]],
+                                           args.seeds or DELTA["seeds"], args.steps or DELTA["steps"], split="validation",
+                                           problems=PROBLEMS[args.problems])
+        elif args.part == "validation":  # any methods, on validation seeds and the validation split (choosing)
+            specs, initial = smollm2_specs(args, args.methods or [DELTA["method"]],
+                                           args.rates or [PROBLEMS[args.problems]["best_rate"]],
                                            args.seeds or DELTA["seeds"], args.steps or DELTA["steps"], split="validation",
                                            problems=PROBLEMS[args.problems])
         elif args.part == "transfer":  # its own folder: the untrained model and the cells are another task's

@@ -20,9 +20,52 @@ def run(script, *args):
 
 @pytest.mark.parametrize("script", ["variance.py", "overhead.py", "learning.py", "synthetic_learning.py",
                                     "stability.py", "step_kl_sampling.py", "random_model.py",
-                                    "exact_weights_profile.py"])
+                                    "exact_weights_profile.py", "kl_prediction.py"])
 def test_help(script):
     assert "usage" in run(script, "--help")
+
+
+def synthetic_every_step_run(seed: int) -> dict:
+    """A run's traces in which every step's KL is exactly c·η²·ū² with c fixed and ū² shrinking as Adam's does, plus
+    one step without a gradient: the per-update predictor with this step's ū² is exact, the per-rate one overstates."""
+    steps = 24
+    rms = [(0.9 ** t) for t in range(steps)]
+    lr = [1e-7] + [1e-5 * (1 - t / steps) for t in range(1, steps)]
+    grad = [1.0] * steps
+    grad[5] = 0.0
+    kl = [2e9 * (lr[t] * rms[t]) ** 2 for t in range(steps)]
+    return {"method": "oblrpo-trust-peak-every1", "seed": seed, "learning_rate": 1e-5,
+            "traces": {"oblr/step_kl": kl, "oblr/lr": lr, "oblr/update_rms": rms, "grad_norm": grad}}
+
+
+def test_kl_prediction_replays_each_predictor_and_is_exact_where_the_model_holds(tmp_path):
+    """On traces where KL = c·η²·ū² holds exactly, the per-update predictor with the step's own ū² lands every step
+    on its aim (ratio 1) at every cadence; the per-rate one, blind to the shrinking update, overshoots (ratio < 1) and
+    the more so the rarer its readings; the last gradient step's ū² lands at (0.9²)^gap short of exact."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import kl_prediction
+
+    runs_dir = tmp_path / "runs"
+    runs_dir.mkdir()
+    for seed in (10, 11):
+        (runs_dir / f"validation-oblrpo-trust-peak-every1-lr1e-05-seed{seed}.json").write_text(
+            json.dumps(synthetic_every_step_run(seed)))
+    out = tmp_path / "out"
+    assert kl_prediction.main(["--runs", str(runs_dir), "--output_dir", str(out)]) == 0
+    rows = json.loads((out / "kl_prediction.json").read_text())["predictors"]
+    assert {(r["predictor"], r["cadence"], r["ema_decay"]) for r in rows.values()} == {
+        (p, c, d) for p in kl_prediction.PREDICTORS for c in kl_prediction.CADENCES for d in kl_prediction.DECAYS}
+    for row in rows.values():
+        assert row["steps"] == 2 * 22  # every step with a gradient after the first reading, in both runs
+        if row["predictor"] == "per-update (this step's ū²)":
+            assert row["median"] == pytest.approx(1.0) and row["quartiles"] == pytest.approx([1.0] * 3)
+        elif row["predictor"] == "per-rate":
+            assert row["median"] < 0.95
+    per_rate = {c: rows[f"per-rate | every {c} | decay 0.0"]["median"] for c in (1, 16)}
+    assert per_rate[16] < per_rate[1]
+    assert rows["per-update | every 1 | decay 0.0"]["median"] == pytest.approx(0.81)  # ū² fell by 0.9² since
+    assert (out / "kl_prediction.md").read_text().count("\n| per-") == len(rows)
+    assert (out / "kl_prediction.png").stat().st_size > 0
 
 
 def test_variance_smoke(saved_tiny_model, tmp_path):

@@ -49,6 +49,7 @@ def make(tmp_path, **kwargs):
         ("lr_trust_region_sample_size", 0.5, "None or an integer >= 1"),
         ("lr_trust_region_measure_steps", 0, "an integer >= 1"),
         ("lr_trust_region_measure_steps", 2.0, "an integer >= 1"),
+        ("lr_trust_region_curvature", "per_step", "'per_rate', 'per_update'"),
     ],
 )
 def test_bad_values_name_field_and_allowed_values(tmp_path, field, value, allowed):
@@ -181,7 +182,7 @@ def test_every_new_field_is_documented():
         "per_sample_batch_size", "snr_lr_reference", "snr_calibration_steps", "snr_lr_min_ratio", "snr_lr_max_ratio",
         "baseline_estimator", "baseline_shrinkage", "lr_trust_region_kl", "lr_trust_region_mode",
         "lr_trust_region_min_ratio", "lr_trust_region_max_ratio", "lr_trust_region_ema_decay", "log_step_kl",
-        "lr_trust_region_sample_size", "lr_trust_region_measure_steps",
+        "lr_trust_region_sample_size", "lr_trust_region_measure_steps", "lr_trust_region_curvature",
     }
     for f in fields(OBLRPOConfig):
         if f.name in new or f.name == "scale_rewards":

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import TrainerCallback
 
-from oblr_trl.estimators.trust_region import TrustRegionRate, sampled_token_kl
+from oblr_trl.estimators.trust_region import TrustRegionRate, adam_update_square_sum, sampled_token_kl
 
 # ----------------------------------------------------------------------------------------------------------------
 # The rule (pure)
@@ -110,6 +110,53 @@ def test_the_aimed_kl_is_delta_at_the_rules_rate_and_scales_with_the_square_of_t
     rule.update(kl=1e-2 / 4, lr=1e-5)  # η_δ = 2e-5
     assert rule.aimed_kl(2e-5) == pytest.approx(1e-2)
     assert rule.aimed_kl(1e-5) == pytest.approx(1e-2 / 4)
+
+
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_adams_update_per_unit_rate_is_read_from_its_state(amsgrad):
+    """u = m̂/(√v̂ + ε) is the move of a step of rate 1: the parameters moved by exactly lr·u (no weight decay), the
+    first step's u is sign(g) (mean square 1), and it shrinks as v̂ accumulates gradients whose signs disagree."""
+    generator = torch.Generator().manual_seed(0)
+    weight, bias = torch.nn.Parameter(torch.randn(30, 4)), torch.nn.Parameter(torch.randn(7))
+    optimizer = torch.optim.Adam([weight, bias], lr=1e-3, eps=1e-8, amsgrad=amsgrad)
+    assert adam_update_square_sum(optimizer) is None  # no step yet: no state
+    means = []
+    for _ in range(6):
+        before = [weight.detach().clone(), bias.detach().clone()]
+        for param in (weight, bias):
+            param.grad = torch.randn(param.shape, generator=generator)
+        optimizer.step()
+        total, count = adam_update_square_sum(optimizer).tolist()
+        moved = sum(float((param.detach() - old).square().sum()) for param, old in zip((weight, bias), before))
+        assert count == 30 * 4 + 7
+        assert total == pytest.approx(moved / 1e-3**2, rel=1e-4)
+        means.append(total / count)
+    assert means[0] == pytest.approx(1.0, rel=1e-6)
+    assert means[-1] < 0.5 * means[0]
+    assert adam_update_square_sum(torch.optim.SGD([weight], lr=1e-3)) is None  # not Adam's state
+
+
+def test_per_update_the_curvature_is_read_per_unit_of_the_update_and_predicts_with_the_last_one():
+    """KL = c·lr²·ū²: per update, a step whose update shrank 4-fold (ū² 1 → 0.25) at the same rate and a quarter of
+    the KL reads the same curvature, and the next step, predicted with ū² = 0.25, may run at twice the rate the plain
+    reading allows; without per_update the same readings are taken as a falling curvature."""
+    per_update, plain = TrustRegionRate(1e-3, "target", ema_decay=0.5, per_update=True), TrustRegionRate(
+        1e-3, "target", ema_decay=0.5)
+    for rule in (per_update, plain):
+        rule.note_update(1.0)
+        rule.update(kl=1e-3, lr=1e-4)  # c = 1e5 per unit update
+        rule.note_update(0.25)
+        rule.update(kl=1e-3 / 4, lr=1e-4)
+    assert per_update.curvature.value == pytest.approx(1e5)
+    assert per_update.rate == pytest.approx(math.sqrt(1e-3 / (1e5 * 0.25)))  # 2e-4
+    assert per_update.aimed_kl(2e-4) == pytest.approx(1e-3)
+    assert plain.rate < per_update.rate  # the average of 1e5 and 2.5e4
+    resumed = TrustRegionRate(1e-3, "target", ema_decay=0.5, per_update=True)
+    resumed.load_state_dict(json.loads(json.dumps(per_update.state_dict())))
+    assert resumed.rate == per_update.rate
+    for nothing in (None, 0.0, float("nan")):
+        per_update.note_update(nothing)
+    assert per_update.update_mean_square == 0.25
 
 
 def test_options_are_checked():
@@ -299,6 +346,30 @@ def test_measuring_every_k_th_step_measures_every_step_until_one_has_moved_the_p
     assert rule.curvature.count == 2
 
 
+@pytest.mark.parametrize("short_early_gaps", [True, False])
+def test_with_short_early_gaps_the_gaps_between_measurements_double_up_to_every_k_th_step(short_early_gaps):
+    """With short early gaps (the per-update curvature) the gaps between measured steps with a gradient are 1, 2,
+    4, … after the first reading and then k: the curvature falls fastest early in a run, so the readings come often
+    while it does. Without, every k-th (the peak form's provisional probe measures the step after it either way)."""
+    from collections import defaultdict
+
+    from oblr_trl.training.step_kl import StepKLRecorder
+
+    cases = (((16, [0, 1, 3, 7, 15, 31, 47]), (4, [0, 1, 3, 7, 11, 15, 19, 23, 27, 31, 35, 39, 43, 47]))
+             if short_early_gaps else ((16, [0, 1, 17, 33]), (4, [0, 1, 5, 9, 13, 17, 21, 25, 29, 33, 37, 41, 45])))
+    for k, expected in (*cases, (1, list(range(48)))):
+        recorder = StepKLRecorder(TrustRegionRate(1e-3, "peak"), lambda batch: batch["new"], lambda s: s,
+                                  measure_every=k, short_early_gaps=short_early_gaps)
+        measured = []
+        for step in range(48):
+            metrics = defaultdict(list)
+            recorder.keep(*_micro_batch(4, seed=step))
+            recorder.after_step(1e-3, metrics, 1.0)
+            if metrics["oblr/step_kl"]:
+                measured.append(step)
+        assert measured == expected, k
+
+
 def test_the_draw_of_each_step_is_uniform_over_the_steps_completions():
     from oblr_trl.training.step_kl import StepKLRecorder
 
@@ -412,30 +483,62 @@ def test_the_trust_region_sets_the_rate_the_optimizer_uses(make_trainer):
         assert h["snr/effective_lr"] == pytest.approx(used, rel=1e-6)
 
 
-def test_the_peak_form_follows_the_schedule_and_logs_what_each_step_aimed_at(make_trainer):
+@pytest.mark.parametrize("curvature", ["per_rate", "per_update"])
+def test_the_peak_form_follows_the_schedule_and_logs_what_each_step_aimed_at(make_trainer, curvature):
     """Peak form, linear decay, measured every 4th step: the probe and the step after it are measured (the probe's
     reading is replaced), and between measurements the trust-region factor holds while the rate used falls with the
-    schedule; every step after the probe logs the KL it aimed at, δ·(η/η̂_max)², beside the rate used."""
+    schedule; every step after the probe logs the KL it aimed at, δ·(η/η̂_max)², beside the rate used. With the
+    per-update curvature the steps 2 and then 4 apart are measured too."""
     probe = RatesUsed()
     trainer = make_trainer(lr_trust_region_kl=1e-3, lr_trust_region_mode="peak", lr_trust_region_measure_steps=4,
-                           max_steps=5, lr_scheduler_type="linear", use_snr_lr=False, callbacks=[probe])
+                           max_steps=6, lr_scheduler_type="linear", use_snr_lr=False, callbacks=[probe],
+                           lr_trust_region_curvature=curvature)
     probe.trainer = trainer
     trainer.train()
     logged = [h for h in trainer.state.log_history if "loss" in h]
     assert all(h["grad_norm"] > 0 for h in logged)
-    assert ["oblr/step_kl" in h for h in logged] == [True, True, False, False, False]
+    last_measured = [0, 1, 1, 3, 3, 3] if curvature == "per_update" else [0, 1, 1, 1, 1, 5]
+    assert ["oblr/step_kl" in h for h in logged] == [t == last for t, last in enumerate(last_measured)]
     factors = _factors(trainer)
-    assert factors[0] == 0.01 and factors[2] == factors[3] == factors[4]
-    assert len(set(probe.seen[2:])) == 3  # the schedule shapes the steps between measurements
+    assert factors[0] == 0.01
+    for t in range(3, 6):  # between measurements the schedule shapes the rate used (per rate, the factor holds)
+        if last_measured[t - 1] == last_measured[t - 2]:
+            assert probe.seen[t] != probe.seen[t - 1]
+            assert (factors[t] == factors[t - 1]) == (curvature == "per_rate")
     for h, used, factor in zip(logged, probe.seen, factors, strict=True):
         assert used == pytest.approx(h["learning_rate"] * factor, rel=1e-6)
         assert h["oblr/lr"] == h["snr/effective_lr"] == pytest.approx(used, rel=1e-6)
     assert "oblr/step_kl_target" not in logged[0]  # the probe aims at nothing
     assert all(h["oblr/step_kl_target"] > 0 for h in logged[1:])
-    rate = logged[1]["oblr/trust_region_rate"]  # η̂_max after the step that replaced the probe's reading
-    for h, used in zip(logged[2:], probe.seen[2:], strict=True):
-        if 0.01 < factors[2] < 10.0:
-            assert h["oblr/step_kl_target"] == pytest.approx(1e-3 * (used / rate) ** 2, rel=1e-6)
+    for t in range(2, 6):  # η̂_max after the last step measured before t
+        rate = logged[last_measured[t - 1]]["oblr/trust_region_rate"]
+        if 0.01 < factors[t] < 10.0 and curvature == "per_rate":  # per update, ū² moves the aim too (below)
+            assert logged[t]["oblr/step_kl_target"] == pytest.approx(1e-3 * (probe.seen[t] / rate) ** 2, rel=1e-6)
+
+
+@pytest.mark.parametrize("per_update", [False, True])
+def test_each_step_logs_adams_update_and_per_update_the_rule_reads_it(make_trainer, per_update):
+    """`oblr/update_rms` is the root mean square of the step's Adam update per unit rate (about 1 for the first); with
+    lr_trust_region_curvature="per_update" the rate the rule leaves is sqrt(δ/(ĉ·ū²)) with ū² the step's, so it differs from the
+    plain rule's on the same steps, and what a step aimed at is the curvature times its rate² times the ū² before it."""
+    trainer = make_trainer(lr_trust_region_kl=1e-3, lr_trust_region_mode="peak", lr_trust_region_measure_steps=1,
+                           lr_trust_region_ema_decay=0.0, max_steps=4,
+                           lr_trust_region_curvature="per_update" if per_update else "per_rate",
+                           use_snr_lr=False, lr_scheduler_type="constant")
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if "loss" in h]
+    assert all(h["grad_norm"] > 0 for h in logged)
+    rms = [h["oblr/update_rms"] for h in logged]
+    assert 0.5 < rms[0] <= 1.0 and rms[-1] < rms[0]  # sign(g), but for coordinates no token reached (g = 0)
+    used = [h["oblr/lr"] for h in logged]
+    for before, after in zip(logged[1:], logged[2:]):  # every step measured, ema_decay 0: the last reading alone
+        curvature = before["oblr/step_kl"] / (before["oblr/lr"] ** 2 * (before["oblr/update_rms"] ** 2 if per_update
+                                                                         else 1.0))
+        assert after["oblr/step_kl_target"] == pytest.approx(
+            curvature * after["oblr/lr"] ** 2 * (before["oblr/update_rms"] ** 2 if per_update else 1.0), rel=1e-4)
+        assert before["oblr/trust_region_rate"] == pytest.approx(
+            math.sqrt(1e-3 / (curvature * (before["oblr/update_rms"] ** 2 if per_update else 1.0))), rel=1e-4)
+    assert len(set(used)) == 4
 
 
 def test_a_step_without_a_gradient_is_logged_but_does_not_change_the_curvature(make_trainer):
@@ -557,27 +660,32 @@ def test_a_sample_size_measures_the_step_on_that_many_completions(make_trainer):
 
 
 def test_measure_steps_measures_every_k_th_step_of_training(make_trainer):
-    """`lr_trust_region_measure_steps=2`: steps 1 and 3 of 4 run the measuring forward and log their KL; steps 2 and 4
-    run at the factor the last measurement set (constant schedule, no SNR factor: the same factor)."""
-    trainer = make_trainer(lr_trust_region_measure_steps=2, max_steps=4, lr_scheduler_type="constant",
+    """`lr_trust_region_measure_steps=2`: steps 1, 3 and 5 of 5 run the measuring forward and log their KL; steps 2
+    and 4 run at the factor the last measurement set (constant schedule, no SNR factor: the same factor)."""
+    trainer = make_trainer(lr_trust_region_measure_steps=2, max_steps=5, lr_scheduler_type="constant",
                            use_snr_lr=False)
     assert trainer.kl_recorder.measure_every == 2
     trainer.train()
     logged = [h for h in trainer.state.log_history if "loss" in h]
-    assert all(h["grad_norm"] > 0 for h in logged)  # every step has a gradient: the cadence is 1, 3
-    assert ["oblr/step_kl" in h for h in logged] == [True, False, True, False]
-    assert trainer.kl_recorder.measured_steps == 2
+    assert all(h["grad_norm"] > 0 for h in logged)  # every step has a gradient: the cadence is 1, 3, 5
+    assert ["oblr/step_kl" in h for h in logged] == [True, False, True, False, True]
+    assert trainer.kl_recorder.measured_steps == 3
     factors = _factors(trainer)
-    assert factors[0] == 0.01 and factors[2] == factors[1]
+    assert factors[0] == 0.01 and factors[2] == factors[1] and factors[4] == factors[3]
     from oblr_trl.training.run_records import card_settings
 
-    settings = card_settings(trainer.args, 4, trainer.num_generations, trainer.reward_func_names)
+    settings = card_settings(trainer.args, 5, trainer.num_generations, trainer.reward_func_names)
     assert "measured every 2 steps" in settings["learning-rate factor"]
+    assert "per unit of Adam's update" not in settings["learning-rate factor"]
+    per_update = copy.copy(trainer.args)
+    per_update.lr_trust_region_curvature = "per_update"
+    assert "per unit of Adam's update, measured every 2 steps after gaps of 1, 2, 4" in card_settings(
+        per_update, 5, trainer.num_generations, trainer.reward_func_names)["learning-rate factor"]
     # the card states the factor's range of the form the run used
     assert "(`target`, factor in [0.01, 10]" in settings["learning-rate factor"]
     capped = copy.copy(trainer.args)
     capped.lr_trust_region_mode = "cap"
-    assert "(`cap`, factor in [0.01, 1]" in card_settings(capped, 4, trainer.num_generations,
+    assert "(`cap`, factor in [0.01, 1]" in card_settings(capped, 5, trainer.num_generations,
                                                           trainer.reward_func_names)["learning-rate factor"]
 
 

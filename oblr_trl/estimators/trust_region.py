@@ -37,6 +37,12 @@ the averaged curvature predicted. In the `peak` form the probe's reading is ther
 the probe is measured too, and its reading replaces the probe's in the average (`needs_measurement`). The `cap` and
 `target` forms keep the probe's reading, as they were validated.
 
+Why it overstates them: under Adam the move of a step of rate η is η·u, u = m̂/(√v̂ + ε), and u's size is not fixed.
+Its mean square ū² is 1 at the first step (u = sign g) and shrinks as v̂ accumulates gradients whose signs disagree,
+so KL/η² falls with ū² even where the policy's curvature does not. With ``per_update`` the curvature is read per unit
+of Adam's update, KL/(η²·ū²) (`adam_update_square_sum` reads ū² from the optimizer after the step), and the next step
+is sized with the last gradient step's ū²: η_δ = sqrt(δ / (ĉ·ū²)).
+
 Only steps driven by a gradient are measured. A step whose gradient is zero (every group scored alike) still moves the
 parameters by Adam's momentum, m̂/√v̂ with no new gradient in m, a move far shorter than a gradient step of the same
 rate, so its KL/η² understates the curvature the next gradient step meets: on SmolLM2 (seed 1, 3× the best rate,
@@ -62,7 +68,7 @@ import torch
 from .choices import TRUST_REGION_MODES
 from .snr import BiasCorrectedEMA
 
-__all__ = ["TrustRegionRate", "largest_factor", "sampled_token_kl"]
+__all__ = ["TrustRegionRate", "adam_update_square_sum", "largest_factor", "sampled_token_kl"]
 
 
 def largest_factor(mode: str, max_ratio: float) -> float:
@@ -89,6 +95,42 @@ def sampled_token_kl(
     return (k3 * weights).sum(), weights.sum()
 
 
+def adam_update_square_sum(optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
+    """Σ u_i² and the number of coordinates, over the parameters an Adam-type optimizer has stepped, of its last
+    update per unit rate u = m̂ / (√v̂ + ε), m̂ = m/(1 − β₁ᵗ), v̂ = v/(1 − β₂ᵗ) (v the running maximum with
+    ``amsgrad``), read from its state after the step: a step of rate η moves the parameters by η·u (weight decay
+    aside). Returned as a float32 ``[sum, count]`` so that processes holding shards add theirs before dividing (a
+    replicated state adds alike in both, so the mean square is the same); None where no parameter has Adam's state
+    (another optimizer). The mean square is 1 after Adam's first step (u = sign g) and shrinks as v̂ accumulates
+    gradients whose signs disagree from step to step (docs/math.md, "The curvature per unit update").
+    """
+    total: torch.Tensor | None = None
+    for group in optimizer.param_groups:
+        beta1, beta2 = group.get("betas", (None, None))
+        eps = group.get("eps")
+        if beta1 is None or eps is None:
+            continue
+        for param in group["params"]:
+            state = optimizer.state.get(param, {})
+            if "exp_avg" not in state or "exp_avg_sq" not in state or "step" not in state:
+                continue
+            step = float(state["step"])
+            if step < 1:
+                continue
+            second = state["max_exp_avg_sq"] if group.get("amsgrad") else state["exp_avg_sq"]
+            first, second = _local(state["exp_avg"]).float(), _local(second).float()
+            denominator = (second / (1.0 - beta2**step)).sqrt_().add_(eps)
+            update = first.div(1.0 - beta1**step).div_(denominator)
+            part = torch.stack([update.square().sum(), torch.tensor(float(update.numel()), device=update.device)])
+            total = part if total is None else total + part.to(total.device)
+    return total
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This process's shard of a sharded (DTensor) state, the tensor itself otherwise."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
 class TrustRegionRate:
     """The factor that keeps each optimizer step's measured KL near ``target_kl`` (module docstring).
 
@@ -100,10 +142,12 @@ class TrustRegionRate:
         ema_decay: decay of the bias-corrected moving average of the curvature KL/η².
         min_ratio: smallest factor (every form).
         max_ratio: largest factor of ``"target"`` and ``"peak"`` (``"cap"`` never exceeds 1).
+        per_update: read the curvature per unit mean-square update, KL/(lr²·ū²), ū² that step's update per unit rate
+            (`note_update` before `update`), and predict the next step with the last ū² (module docstring).
     """
 
     def __init__(self, target_kl: float, mode: str = "cap", ema_decay: float = 0.5, min_ratio: float = 0.01,
-                 max_ratio: float = 10.0):
+                 max_ratio: float = 10.0, per_update: bool = False):
         if mode not in TRUST_REGION_MODES:
             raise ValueError(f"mode must be one of {TRUST_REGION_MODES}; got {mode!r}.")
         if not target_kl > 0 or not math.isfinite(target_kl):
@@ -112,9 +156,24 @@ class TrustRegionRate:
         self.min_ratio, self.max_ratio = float(min_ratio), float(max_ratio)
         self.curvature = BiasCorrectedEMA(ema_decay)
         self.provisional = False  # the curvature is the probe's reading alone ("peak": replaced by the next one)
+        self.per_update = per_update
+        self.update_mean_square: float | None = None  # of the last gradient step's update per unit rate
+
+    def note_update(self, mean_square: float | None) -> None:
+        """A gradient step's update per unit rate had mean square ``mean_square`` (`adam_update_square_sum`): with
+        ``per_update`` the readings are divided by it and the next step is predicted to have the same (None, zero or
+        non-finite: nothing to note)."""
+        if self.per_update and mean_square is not None and math.isfinite(mean_square) and mean_square > 0:
+            self.update_mean_square = float(mean_square)
+
+    @property
+    def _update_scale(self) -> float:
+        """ū² of the last gradient step with ``per_update`` (once known), else 1: what a reading is divided by."""
+        return self.update_mean_square if self.per_update and self.update_mean_square is not None else 1.0
 
     def update(self, kl: float, lr: float) -> bool:
-        """A step of rate ``lr`` moved the policy by ``kl``: fold KL/lr² into the curvature. Returns whether it
+        """A step of rate ``lr`` moved the policy by ``kl``: fold KL/lr² (KL/(lr²·ū²) with ``per_update``, ū² that
+        step's, `note_update`) into the curvature. Returns whether it
         counted (a zero or non-finite rate, or a non-finite KL, is no measurement). In the ``"peak"`` form the probe's
         reading is provisional: the next reading replaces it."""
         if not (math.isfinite(kl) and math.isfinite(lr) and lr > 0):
@@ -122,18 +181,19 @@ class TrustRegionRate:
         was_probe = self.probing
         if self.provisional:
             self.curvature = BiasCorrectedEMA(self.curvature.decay)
-        self.curvature.update(max(kl, 0.0) / lr**2)
+        self.curvature.update(max(kl, 0.0) / (lr**2 * self._update_scale))
         self.provisional = self.mode == "peak" and was_probe and not self.probing
         return True
 
     @property
     def rate(self) -> float:
-        """η_δ = sqrt(δ / ĉ): the rate the smoothed curvature says moves the policy by δ (inf before any measurement
-        or while no step moved it). In the ``"peak"`` form this is η̂_max, the measured peak rate."""
+        """η_δ = sqrt(δ / ĉ) (sqrt(δ / (ĉ·ū²)) with ``per_update``, ū² the last gradient step's): the rate the smoothed
+        curvature says moves the policy by δ (inf before any measurement or while no step moved it). In the ``"peak"``
+        form this is η̂_max, the measured peak rate."""
         curvature = self.curvature.value
         if not math.isfinite(curvature) or curvature <= 0:
             return math.inf
-        return math.sqrt(self.target_kl / curvature)
+        return math.sqrt(self.target_kl / (curvature * self._update_scale))
 
     @property
     def probing(self) -> bool:
@@ -166,8 +226,10 @@ class TrustRegionRate:
         return min(largest_factor(self.mode, self.max_ratio), max(self.min_ratio, self.rate / reference))
 
     def state_dict(self) -> dict[str, Any]:
-        return {"curvature": self.curvature.state_dict(), "provisional": self.provisional}
+        return {"curvature": self.curvature.state_dict(), "provisional": self.provisional,
+                "update_mean_square": self.update_mean_square}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.curvature.load_state_dict(state["curvature"])
         self.provisional = bool(state.get("provisional", False))
+        self.update_mean_square = state.get("update_mean_square")

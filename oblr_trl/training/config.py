@@ -215,6 +215,20 @@ class OBLRPOConfig(OBLRPOOptions, GRPOConfig):  # this base order keeps GRPOConf
             Largest trust-region factor of `"target"` and `"peak"`, ≥ 1 (`"cap"` never exceeds 1).
         lr_trust_region_ema_decay (`float`, *optional*, defaults to `0.5`):
             Decay of the bias-corrected moving average of the curvature KL/lr², in [0, 1).
+        lr_trust_region_curvature (`str`, *optional*, defaults to `"per_rate"`):
+            How the trust region reads and predicts the curvature:
+
+            - `"per_rate"`: c = KL/lr², measured every `lr_trust_region_measure_steps`-th step with a gradient.
+            - `"per_update"`: c = KL/(lr² · ū²), ū² the mean square of the step's update per unit rate
+              u = m̂/(√v̂ + ε) (read from the optimizer's state after the step, logged as `oblr/update_rms`), the next
+              step sized with the last gradient step's ū²; measured on the steps with a gradient 1, 2, 4, … apart
+              before every `lr_trust_region_measure_steps`-th. Adam's first update is sign(g) (ū² = 1) and ū² shrinks
+              over the first tens of steps as v̂ accumulates gradients whose signs disagree, which KL/lr² alone reads
+              as a curvature that keeps falling, and the curvature falls fastest early: replayed on validation runs
+              that measured every step (SmolLM2 a + b), steps land at a median 0.79× the KL aimed at (quartiles
+              0.43–1.70) against 0.17× per unit rate measured every 16th step
+              (benchmarks/results/stability/kl_prediction.md). An optimizer without Adam's state reads as
+              `"per_rate"` with the short gaps.
         lr_trust_region_sample_size (`int` or `None`, *optional*, defaults to `8`):
             Measure each step's KL on at most this many of the step's completions (over all processes, drawn uniformly
             without replacement, the same draw in any process layout); a step with no more completions than this is

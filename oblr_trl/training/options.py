@@ -15,6 +15,7 @@ from ..estimators.choices import (
     BASELINE_WEIGHTS,
     SNR_ESTIMATORS,
     SNR_LR_REFERENCES,
+    TRUST_REGION_CURVATURES,
     TRUST_REGION_MODES,
 )
 
@@ -175,8 +176,7 @@ class OBLRPOOptions:
             "help": "Target δ of the mean per-token KL(π_t ‖ π_{t+1}) one optimizer step may move the policy by, "
             "measured after a step on its completions (every lr_trust_region_measure_steps-th step); the next step's "
             "rate is the one the smoothed curvature KL/lr² says gives δ (see lr_trust_region_mode); until a step has "
-            "moved the policy, the step is a probe at lr_trust_region_min_ratio × the base rate; a step with a zero "
-            "gradient (every group scored alike) moves only by momentum and is not measured. The default 0.01 "
+            "moved the policy, the step is a probe at lr_trust_region_min_ratio × the base rate. The default 0.01 "
             "('target' form) makes the configured rate matter little (docs/rate_rule.md). None: no trust region "
             "and no measuring forward."
         },
@@ -205,13 +205,21 @@ class OBLRPOOptions:
         default=0.5,
         metadata={"help": "Decay of the bias-corrected moving average of the measured curvature KL/lr², in [0, 1)."},
     )
+    lr_trust_region_curvature: str = field(
+        default="per_rate",
+        metadata={
+            "help": "'per_rate': the curvature KL/lr². 'per_update': KL/(lr² · mean u²), u = m̂/(√v̂ + ε) Adam's "
+            "update, the next step sized with the last mean u², measured 1, 2, 4, … steps apart before every "
+            "lr_trust_region_measure_steps-th (docs/rate_rule.md).",
+            "choices": list(TRUST_REGION_CURVATURES),
+        },
+    )
     lr_trust_region_sample_size: int | None = field(
         default=8,
         metadata={
             "help": "Measure each step's KL on at most this many of the step's completions (over all processes, drawn "
             "uniformly without replacement, the same draw in any layout), so the measuring forward costs a bounded "
-            "share of a step however large the batch; a step with no more completions is measured whole. 8 is what "
-            "a step of the runs δ was chosen on had; per-completion KLs are heavy-tailed, and smaller samples are "
+            "share of a step however large the batch. Per-completion KLs are heavy-tailed: smaller samples are "
             "noisy (benchmarks/README.md). None: every completion (always, for vision-language models)."
         },
     )
@@ -289,6 +297,7 @@ class OBLRPOOptions:
             raise invalid_value("lr_trust_region_max_ratio", self.lr_trust_region_max_ratio, "a finite float >= 1")
         if not 0.0 <= self.lr_trust_region_ema_decay < 1.0:
             raise invalid_value("lr_trust_region_ema_decay", self.lr_trust_region_ema_decay, "a float in [0, 1)")
+        check_one_of("lr_trust_region_curvature", self.lr_trust_region_curvature, TRUST_REGION_CURVATURES)
         if self.lr_trust_region_sample_size is not None and (
             isinstance(self.lr_trust_region_sample_size, bool) or not isinstance(self.lr_trust_region_sample_size, int)
             or self.lr_trust_region_sample_size < 1

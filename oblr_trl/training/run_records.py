@@ -235,10 +235,13 @@ def card_settings(args, max_steps: int, num_generations: int, reward_func_names)
     else:
         rate_rule = "off (the scheduled rate)"
     if args.lr_trust_region_kl is not None:
+        per_update = args.lr_trust_region_curvature == "per_update"
         rate_rule += (f"; trust region δ = {args.lr_trust_region_kl:g} per token (`{args.lr_trust_region_mode}`, "
                       f"factor in [{args.lr_trust_region_min_ratio:g}, "
                       f"{largest_factor(args.lr_trust_region_mode, args.lr_trust_region_max_ratio):g}]"
-                      + (f", measured every {args.lr_trust_region_measure_steps} steps)"
+                      + (", curvature per unit of Adam's update" if per_update else "")
+                      + (f", measured every {args.lr_trust_region_measure_steps} steps"
+                         + (" after gaps of 1, 2, 4, …)" if per_update else ")")
                          if args.lr_trust_region_measure_steps > 1 else ")"))
     prompts = per_step // num_generations
     return {

@@ -12,8 +12,10 @@ By default every token of the step counts; it costs one no-grad forward of the s
 old-log-probability pass does when `num_iterations > 1`. With ``measure_every`` = k > 1 only the first step and every
 k-th step after the last one measured are (k − 1 forwards in k saved), and every step until one has moved the policy
 (a step at rate 0, the first of a warm-up, does not); the rule sizes the steps in between with the curvature it last
-measured, which predicts the next step's about as well (the per-step curvature is mostly noise from one step to the
-next: benchmarks/results/overhead/step_kl_sampling.md). With a sample size n, the forward runs on n of the step's
+measured (the per-step curvature is mostly noise from one step to the next:
+benchmarks/results/overhead/step_kl_sampling.md). With ``short_early_gaps`` (the `"per_update"` curvature) the steps
+with a gradient 1, 2, 4, … apart are measured before the gap reaches k, because the curvature falls fastest over a
+run's first steps (benchmarks/results/stability/kl_prediction.md). With a sample size n, the forward runs on n of the step's
 completions only, drawn uniformly without replacement over every process's completions of the step (the same draw
 in any process layout: a permutation of the step's global row order seeded by the run's seed and the step), and the
 KL is the mean per token over the sampled completions' tokens. Either way the measurement does not depend on how the
@@ -52,9 +54,14 @@ class StepKLRecorder:
         gather: concatenates a 1-D tensor over processes in process order (needed with ``sample_size``).
         process_index: this process's place in that order.
         seed: seed of the draws (the run's seed).
-        measure_every: k: measure the first step and then every k-th step with a gradient after the last one measured
-            (1: every step). The rule keeps the curvature it last measured in between; a step whose gradient is zero
-            is not measured when k > 1 (it would not be folded in, `after_step`) and does not count.
+        measure_every: k: measure the first step and then every k-th step with a gradient after the last one
+            measured (1: every step; with ``short_early_gaps``, steps 1, 2, 4, … apart first). The rule keeps the curvature it last measured in between; a step whose gradient
+            is zero is not measured when k > 1 (it would not be folded in, `after_step`) and does not count.
+        update_square_sum: ``() ->`` this process's ``[Σ u², count]`` of the optimizer's last update per unit rate
+            (`estimators.trust_region.adam_update_square_sum`; None where the optimizer is not Adam's): its mean over
+            processes is logged as `oblr/update_rms` after every step and handed to the rule.
+        short_early_gaps: after the first reading, measure the steps with a gradient 1, 2, 4, … apart until the gap
+            reaches k (`gap`).
     """
 
     def __init__(
@@ -67,6 +74,8 @@ class StepKLRecorder:
         process_index: int = 0,
         seed: int = 0,
         measure_every: int = 1,
+        update_square_sum: Callable[[], torch.Tensor | None] | None = None,
+        short_early_gaps: bool = False,
     ):
         if sample_size is not None and gather is None:
             raise ValueError("a sample of the step's completions needs `gather` to draw it over every process.")
@@ -78,7 +87,10 @@ class StepKLRecorder:
         self.sample_size, self.gather, self.process_index, self.seed = sample_size, gather, process_index, seed
         self.measured_steps = 0  # seeds each step's draw; saved with the checkpoint so that a resume draws the same
         self.measure_every = measure_every
+        self.update_square_sum = update_square_sum
+        self.short_early_gaps = short_early_gaps
         self.unmeasured_steps = measure_every - 1  # steps with a gradient since the last one measured: the first is due
+        self.readings = 0  # measured gradient steps folded into the rule's curvature: they set the `gap`
         self._batches: list[tuple[dict[str, Any], torch.Tensor, torch.Tensor]] = []
 
     def keep(self, batch: dict[str, Any], log_probs: torch.Tensor, mask: torch.Tensor) -> None:
@@ -98,6 +110,11 @@ class StepKLRecorder:
             return
         if self.rule is not None and not self.rule.probing:  # what the curvature known before the step predicted
             metrics["oblr/step_kl_target"].append(self.rule.aimed_kl(lr))
+        mean_square = self._update_mean_square(kept[0][2].device)
+        if mean_square is not None:
+            metrics["oblr/update_rms"].append(math.sqrt(mean_square))
+            if self.rule is not None and grad_norm != 0.0:  # momentum alone moves less: not the next step's size
+                self.rule.note_update(mean_square)
         if not self._due(grad_norm):
             self._log_rate(metrics)
             return
@@ -122,9 +139,19 @@ class StepKLRecorder:
         self.measured_steps += 1
         kl = total / tokens if tokens > 0 else float("nan")
         metrics["oblr/step_kl"].append(kl)
-        if self.rule is not None and grad_norm != 0.0:
-            self.rule.update(kl, lr)
+        if self.rule is not None and grad_norm != 0.0 and self.rule.update(kl, lr) and not self.rule.probing:
+            self.readings += 1
         self._log_rate(metrics)
+
+    def _update_mean_square(self, device: torch.device) -> float | None:
+        """The mean square of the step's update per unit rate over every process's coordinates (one collective on
+        every process alike), or None without a reader or an Adam state."""
+        if self.update_square_sum is None:
+            return None
+        local = self.update_square_sum()
+        local = torch.zeros(2, device=device) if local is None else local.to(device)
+        total, count = self.reduce_sum(local).tolist()
+        return total / count if count > 0 else None
 
     def _log_rate(self, metrics: MutableMapping[str, list]) -> None:
         """The rate the rule leaves for the next step (NaN before any measurement), with a rule."""
@@ -132,8 +159,18 @@ class StepKLRecorder:
             rate = self.rule.rate
             metrics["oblr/trust_region_rate"].append(rate if math.isfinite(rate) else float("nan"))
 
+    @property
+    def gap(self) -> int:
+        """Steps with a gradient from one measurement to the next: ``measure_every``, or with ``short_early_gaps``
+        1, 2, 4, … after the first readings until it reaches ``measure_every``. The curvature a step meets falls
+        fastest over a run's first steps (Adam's update shrinks as v̂ accumulates, the policy sharpens), so a reading
+        taken then goes stale soonest."""
+        if not self.short_early_gaps:
+            return self.measure_every
+        return min(self.measure_every, 2 ** max(self.readings - 1, 0))
+
     def _due(self, grad_norm: float | None) -> bool:
-        """Whether the step just taken is measured (``measure_every``); counts it among the unmeasured otherwise.
+        """Whether the step just taken is measured (`gap`); counts it among the unmeasured otherwise.
         Until a measured step has moved the policy the rule has no curvature to size the steps in between with, so
         every step with a gradient is measured: a warm-up that starts at rate 0 would otherwise hold the probe's
         factor for k steps. In the ``"peak"`` form the step after the probe is measured too (its reading replaces the
@@ -143,7 +180,7 @@ class StepKLRecorder:
             return True
         if grad_norm == 0.0:
             return False
-        if self.unmeasured_steps + 1 >= self.measure_every or (self.rule is not None and self.rule.needs_measurement):
+        if self.unmeasured_steps + 1 >= self.gap or (self.rule is not None and self.rule.needs_measurement):
             self.unmeasured_steps = 0
             return True
         self.unmeasured_steps += 1
@@ -187,7 +224,8 @@ class StepKLRecorder:
         return 1.0 if self.rule is None else self.rule.factor(base_lr, peak_lr)
 
     def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"measured_steps": self.measured_steps, "unmeasured_steps": self.unmeasured_steps}
+        state: dict[str, Any] = {"measured_steps": self.measured_steps, "unmeasured_steps": self.unmeasured_steps,
+                                 "readings": self.readings}
         if self.rule is not None:
             state["trust_region"] = self.rule.state_dict()
         return state
@@ -195,6 +233,7 @@ class StepKLRecorder:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.measured_steps = int(state.get("measured_steps", 0))
         self.unmeasured_steps = int(state.get("unmeasured_steps", self.measure_every - 1))
+        self.readings = int(state.get("readings", self.measure_every))  # not saved: past the short gaps
         if self.rule is not None and "trust_region" in state:
             self.rule.load_state_dict(state["trust_region"])
 

@@ -35,7 +35,7 @@ from trl.trainer.utils import get_callable_name, get_config_model_id
 from ..estimators.advantages import aggregate_rewards, gradient_weighted_advantages, rows_whose_weights_matter
 from ..estimators.baselines import PooledSlope
 from ..estimators.snr import SNRLearningRateController
-from ..estimators.trust_region import TrustRegionRate
+from ..estimators.trust_region import TrustRegionRate, adam_update_square_sum
 from . import models
 from .completion_weights import CompletionWeights, loss_mask, reshard_fsdp2
 from .config import OBLRPOConfig, check_backend
@@ -205,6 +205,7 @@ class OBLRPOTrainer(GRPOTrainer):
             rule = None if args.lr_trust_region_kl is None else TrustRegionRate(
                 args.lr_trust_region_kl, args.lr_trust_region_mode, args.lr_trust_region_ema_decay,
                 args.lr_trust_region_min_ratio, args.lr_trust_region_max_ratio,
+                per_update=args.lr_trust_region_curvature == "per_update",
             )
             self.kl_recorder = StepKLRecorder(
                 rule, self.completion_weights.token_log_probs,
@@ -213,6 +214,9 @@ class OBLRPOTrainer(GRPOTrainer):
                 gather=self.accelerator.gather, process_index=self.accelerator.process_index, seed=args.seed,
                 # log_step_kl alone logs each step's KL: the cadence is the trust region's
                 measure_every=1 if rule is None else args.lr_trust_region_measure_steps,
+                short_early_gaps=args.lr_trust_region_curvature == "per_update",
+                update_square_sum=lambda: (None if self.step_control.optimizer is None
+                                           else adam_update_square_sum(self.step_control.optimizer)),
             )
         self.step_control = OptimizerStepControl(
             self.accelerator, self._metrics["train"],
