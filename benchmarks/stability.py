@@ -543,7 +543,10 @@ FORM_PAIRS = [("oblrpo-trust-target-every8", "oblrpo-trust-cap-every8"), ("oblrp
               ("oblrpo-trust-cap-every8", REFERENCE), ("oblrpo-trust-target-every8", "grpo-trust-target-every8"),
               ("grpo-trust-target-every8", REFERENCE),
               ("oblrpo-trust-target-every16", "oblrpo-trust-target-every8"), ("oblrpo-trust-target-every16", REFERENCE),
-              ("oblrpo-trust-target-every16", "oblrpo-trust-cap-every8")]
+              ("oblrpo-trust-target-every16", "oblrpo-trust-cap-every8"),
+              ("oblrpo-trust-peak-every16", "oblrpo-trust-target-every16"),
+              ("oblrpo-trust-peak-update-every16", "oblrpo-trust-target-every16"),
+              ("oblrpo-trust-peak-update-every16", "oblrpo-trust-peak-every16")]
 
 
 def form_comparison(cells: dict[str, dict[float, list[dict]]], resamples: int) -> dict:
