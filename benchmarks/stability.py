@@ -872,7 +872,7 @@ def write_summary(args) -> None:
                    for kl, lr, grad in zip(r["traces"]["oblr/step_kl"], r["traces"]["learning_rate"],
                                            r["traces"]["grad_norm"], strict=True)
                    if math.isfinite(kl) and lr > 0 and grad != 0]
-        peak_quartiles = statistics.quantiles(at_peak, n=4)
+        peak_quartiles = (statistics.quantiles(at_peak, n=4) if len(at_peak) > 1 else at_peak * 3) or [math.nan] * 3
         results["trust_region_delta"] = {"seeds": [r["seed"] for r in delta_runs],
                                          "rate": delta_runs[0]["learning_rate"], "split": "validation",
                                          "step_kl_quartiles": quartiles, "step_kl_90th_percentile": deciles[-1],

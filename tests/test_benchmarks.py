@@ -680,6 +680,7 @@ def test_stability_smoke(saved_tiny_model, tmp_path):
               "--seeds", "1", "--set", "lr_scheduler_type=constant")  # seed 1: the one whose rates are plotted
     delta = json.loads((tmp_path / "summary.json").read_text())["trust_region_delta"]
     assert delta["seeds"] == [10] and delta["split"] == "validation" and len(delta["step_kl_quartiles"]) == 3
+    assert len(delta["step_kl_at_peak_quartiles"]) == 3  # the δ of a peak form that lands, from the same runs
     assert "Trust-region runs so far" in out and "| grpo-trust-target |" in out
     assert (tmp_path / "rates_used.png").exists()
     trust_run = json.loads((tmp_path / "runs" / "test-oblrpo-trust-cap-lr0.0001-seed1.json").read_text())
