@@ -15,8 +15,8 @@ k-th step after the last one measured are (k − 1 forwards in k saved), and eve
 measured (the per-step curvature is mostly noise from one step to the next:
 benchmarks/results/overhead/step_kl_sampling.md). With ``short_early_gaps`` (the `"per_update"` curvature) the steps
 with a gradient 1, 2, 4, … apart are measured before the gap reaches k, because the curvature falls fastest over a
-run's first steps (benchmarks/results/stability/kl_prediction.md). With a sample size n, the forward runs on n of the step's
-completions only, drawn uniformly without replacement over every process's completions of the step (the same draw
+run's first steps (benchmarks/results/stability/kl_prediction.md). With a sample size n, the forward runs on n of the
+step's completions only, drawn uniformly without replacement over every process's completions of the step (the same draw
 in any process layout: a permutation of the step's global row order seeded by the run's seed and the step), and the
 KL is the mean per token over the sampled completions' tokens. Either way the measurement does not depend on how the
 step is split into micro-batches and processes (2 processes measure what 1 does). A sample is measured in one forward
@@ -55,11 +55,13 @@ class StepKLRecorder:
         process_index: this process's place in that order.
         seed: seed of the draws (the run's seed).
         measure_every: k: measure the first step and then every k-th step with a gradient after the last one
-            measured (1: every step; with ``short_early_gaps``, steps 1, 2, 4, … apart first). The rule keeps the curvature it last measured in between; a step whose gradient
-            is zero is not measured when k > 1 (it would not be folded in, `after_step`) and does not count.
+            measured (1: every step; with ``short_early_gaps``, steps 1, 2, 4, … apart first). The rule keeps the
+            curvature it last measured in between; a step whose gradient is zero is not measured when k > 1 (it
+            would not be folded in, `after_step`) and does not count.
         update_square_sum: ``() ->`` this process's ``[Σ u², count]`` of the optimizer's last update per unit rate
             (`estimators.trust_region.adam_update_square_sum`; None where the optimizer is not Adam's): its mean over
-            processes is logged as `oblr/update_rms` after every step and handed to the rule.
+            processes is logged as `oblr/update_rms` on every measured step (every step when the rule reads per
+            update) and handed to the rule.
         short_early_gaps: after the first reading, measure the steps with a gradient 1, 2, 4, … apart until the gap
             reaches k (`gap`).
     """
@@ -110,12 +112,16 @@ class StepKLRecorder:
             return
         if self.rule is not None and not self.rule.probing:  # what the curvature known before the step predicted
             metrics["oblr/step_kl_target"].append(self.rule.aimed_kl(lr))
-        mean_square = self._update_mean_square(kept[0][2].device)
+        due = self._due(grad_norm)
+        # Adam's update size: every step where the rule reads per update, else only beside a measurement (its
+        # collective and host sync stay off the steps that measure nothing)
+        mean_square = (self._update_mean_square(kept[0][2].device)
+                       if due or (self.rule is not None and self.rule.per_update) else None)
         if mean_square is not None:
             metrics["oblr/update_rms"].append(math.sqrt(mean_square))
             if self.rule is not None and grad_norm != 0.0:  # momentum alone moves less: not the next step's size
                 self.rule.note_update(mean_square)
-        if not self._due(grad_norm):
+        if not due:
             self._log_rate(metrics)
             return
         with torch.no_grad():
