@@ -216,32 +216,35 @@ def graded_now(path: Path) -> bool:
     return path.exists() and grader_of(json.loads(path.read_text())) == GRADER_VERSION
 
 
-def recorded_trust_region(run: dict) -> tuple[float | None, int | None, str | None]:
-    """The δ of the trust region a run used, every how many steps it measured the KL and its form (None without
-    one). Runs recorded before 2026-11-26 carry no δ: their overrides say, and without one they ran without a trust
-    region, the default then; runs recorded before the end of 2026-11-26 carry no cadence: their overrides say, else
-    every step; runs recorded before 2026-11-28 carry no form: their overrides say, else the cap, the default then."""
+def recorded_trust_region(run: dict) -> tuple[float | None, int | None, str | None, str | None]:
+    """The δ of the trust region a run used, every how many steps it measured the KL, its form and how it read the
+    curvature (None without one). Runs recorded before 2026-11-26 carry no δ: their overrides say, and without one
+    they ran without a trust region, the default then; runs recorded before the end of 2026-11-26 carry no cadence:
+    their overrides say, else every step; runs recorded before 2026-11-28 carry no form: their overrides say, else the
+    cap, the default then; runs recorded before the end of 2026-11-28 carry no curvature: their overrides say, else
+    per unit rate, the only one then."""
     overrides = run.get("overrides") or {}
     kl = run.get("lr_trust_region_kl", overrides.get("lr_trust_region_kl"))
     if kl is None:
-        return None, None, None
+        return None, None, None, None
     return (kl, run.get("lr_trust_region_measure_steps", overrides.get("lr_trust_region_measure_steps", 1)),
-            run.get("lr_trust_region_mode", overrides.get("lr_trust_region_mode", "cap")))
+            run.get("lr_trust_region_mode", overrides.get("lr_trust_region_mode", "cap")),
+            run.get("lr_trust_region_curvature", overrides.get("lr_trust_region_curvature", "per_rate")))
 
 
-def requested_trust_region(spec: dict) -> tuple[float | None, int | None, str | None]:
-    """The δ, measuring cadence and form a spec asks for: its overrides, else OBLRPOConfig's defaults; GRPO and the
-    untrained model none."""
+def requested_trust_region(spec: dict) -> tuple[float | None, int | None, str | None, str | None]:
+    """The δ, measuring cadence, form and curvature a spec asks for: its overrides, else OBLRPOConfig's defaults;
+    GRPO and the untrained model none."""
     if spec.get("overrides") is None:
-        return None, None, None
+        return None, None, None, None
     from oblr_trl import OBLRPOConfig
 
     overrides = spec["overrides"]
     kl = overrides.get("lr_trust_region_kl", OBLRPOConfig.lr_trust_region_kl)
     if kl is None:
-        return None, None, None
-    return (kl, overrides.get("lr_trust_region_measure_steps", OBLRPOConfig.lr_trust_region_measure_steps),
-            overrides.get("lr_trust_region_mode", OBLRPOConfig.lr_trust_region_mode))
+        return None, None, None, None
+    return (kl, *(overrides.get(field, getattr(OBLRPOConfig, field)) for field in (
+        "lr_trust_region_measure_steps", "lr_trust_region_mode", "lr_trust_region_curvature")))
 
 
 def current(path: Path, spec: dict) -> bool:

@@ -150,7 +150,8 @@ SMOLLM2_METHODS["oblrpo-trust-peak-every1"] = (
     {"lr_trust_region_kl": PROBLEMS_DELTA, "lr_trust_region_mode": "peak", "lr_trust_region_measure_steps": 1,
      "lr_trust_region_curvature": "per_rate"}, TRL_SCHEDULE)
 # the peak form per update at the δ the validation runs give for it (the median of their per-step KL scaled to the
-# schedule's peak, `trust_region_delta` in the summary: 4.9e-3 on a + b, rounded), not the cap's 90th percentile
+# schedule's peak, `trust_region_delta` in the summary: 4.9e-3 on a + b, rounded), not the cap's 90th percentile: the
+# defaults since 2026-11-29 (`defaults_twin`)
 PEAK_DELTA_METHOD = "oblrpo-trust-peak-update-every16-kl0.005"
 SMOLLM2_METHODS[PEAK_DELTA_METHOD] = (
     {"lr_trust_region_kl": 0.005, "lr_trust_region_mode": "peak", "lr_trust_region_measure_steps": 16,
@@ -159,6 +160,11 @@ for _form in ("peak", "target"):
     SMOLLM2_METHODS[f"oblrpo-trust-{_form}-update-every16"] = (
         {"lr_trust_region_kl": PROBLEMS_DELTA, "lr_trust_region_mode": _form, "lr_trust_region_measure_steps": 16,
          "lr_trust_region_curvature": "per_update"}, TRL_SCHEDULE)
+# the trust-region methods named before the curvature per unit of Adam's update existed read it per unit rate, the
+# only reading then; their names keep meaning what their runs ran now that the defaults read it per update
+for _name, (_overrides, _schedule) in SMOLLM2_METHODS.items():
+    if (_overrides or {}).get("lr_trust_region_kl") is not None:
+        SMOLLM2_METHODS[_name] = ({"lr_trust_region_curvature": "per_rate", **_overrides}, _schedule)
 # the grid of each problem set (below) is the symmetric one of issue 26: GRPO's best rate ÷10 … ×10, so that a rule
 # which only shrinks the rate loses at the low end what it saves at the high end; runs at other rates are reported
 # beside it, outside the regret
@@ -166,7 +172,7 @@ SMOLLM2 = {"methods": [REFERENCE, "oblrpo", "oblrpo-no-trust", "oblrpo-paper", "
                        "oblrpo-trust-cap", "oblrpo-trust-cap-every4", "oblrpo-trust-cap-every8", "oblrpo-trust-target",
                        "oblrpo-trust-target-every8", "grpo-trust-cap-every8", "grpo-trust-target-every8",
                        "oblrpo-trust-target-every16", "oblrpo-trust-peak-every16",
-                       "oblrpo-trust-peak-update-every16"],
+                       "oblrpo-trust-peak-update-every16", PEAK_DELTA_METHOD],
            "seeds": [0, 1, 2, 3, 4], "steps": 40, "jobs": 2}
 # a ± b: GRPO's best rate 1e-4 (the learning benchmark), δ = 0.4 (validation seeds 10, 11: per-step KL spanning 8
 # decades, 4.1 nats a token at step 1 and 1e-10 once every group scores alike; 90th percentile 0.42), both measured
@@ -538,7 +544,8 @@ def rate_range(runs: list[dict], method: str, best_cell: float) -> dict:
 
 # issue 40's decision between the trust region's two forms at the shipping cadence, and each against GRPO; then what
 # OBLR-PO's baseline and SNR factor add on top of the default trust region (the same trust region on GRPO's advantages);
-# then issue 38's cheaper cadence against the one it replaces, against GRPO and against the cap
+# then issue 38's cheaper cadence against the one it replaces, against GRPO and against the cap; then issue 56's peak
+# forms, and the defaults since 2026-11-29 against the previous ones and GRPO
 FORM_PAIRS = [("oblrpo-trust-target-every8", "oblrpo-trust-cap-every8"), ("oblrpo-trust-target-every8", REFERENCE),
               ("oblrpo-trust-cap-every8", REFERENCE), ("oblrpo-trust-target-every8", "grpo-trust-target-every8"),
               ("grpo-trust-target-every8", REFERENCE),
@@ -546,7 +553,8 @@ FORM_PAIRS = [("oblrpo-trust-target-every8", "oblrpo-trust-cap-every8"), ("oblrp
               ("oblrpo-trust-target-every16", "oblrpo-trust-cap-every8"),
               ("oblrpo-trust-peak-every16", "oblrpo-trust-target-every16"),
               ("oblrpo-trust-peak-update-every16", "oblrpo-trust-target-every16"),
-              ("oblrpo-trust-peak-update-every16", "oblrpo-trust-peak-every16")]
+              ("oblrpo-trust-peak-update-every16", "oblrpo-trust-peak-every16"),
+              (PEAK_DELTA_METHOD, "oblrpo-trust-target-every16"), (PEAK_DELTA_METHOD, REFERENCE)]
 
 
 def form_comparison(cells: dict[str, dict[float, list[dict]]], resamples: int) -> dict:
@@ -601,20 +609,20 @@ def grid_methods(methods: list[str], problems: dict) -> list[str]:
 
 
 def defaults_twin(problems: dict) -> str | None:
-    """The trust-region method that runs OBLRPOConfig's defaults on ``problems`` (its δ, form and measuring cadence
-    are the defaults'), so that the grid reports `oblrpo` without running the same configuration twice; None where
-    δ differs."""
+    """The trust-region method that runs OBLRPOConfig's defaults on ``problems`` (every field it sets, its δ once the
+    problems' δ replaces the placeholder, is the default), so that the grid reports `oblrpo` without running the same
+    configuration twice; None where no method does."""
     from oblr_trl import OBLRPOConfig
 
-    if problems["trust_region_kl"] != OBLRPOConfig.lr_trust_region_kl:
-        return None
-
-    def is_default(field: str, value) -> bool:
-        return value is PROBLEMS_DELTA if field == "lr_trust_region_kl" else getattr(OBLRPOConfig, field) == value
+    def resolved(overrides: dict) -> dict:
+        if overrides.get("lr_trust_region_kl") is PROBLEMS_DELTA:
+            return {**overrides, "lr_trust_region_kl": problems["trust_region_kl"]}
+        return overrides
 
     return next((name for name, (overrides, schedule) in SMOLLM2_METHODS.items()
-                 if overrides and "lr_trust_region_kl" in overrides and schedule is TRL_SCHEDULE
-                 and all(is_default(field, value) for field, value in overrides.items())), None)
+                 if overrides and overrides.get("lr_trust_region_kl") is not None and schedule is TRL_SCHEDULE
+                 and all(getattr(OBLRPOConfig, field) == value for field, value in resolved(overrides).items())),
+                None)
 
 
 # --- report ----------------------------------------------------------------------------------------------------------
@@ -774,8 +782,9 @@ def write_summary(args) -> None:
                      "over seeds).\n",
                      cell_table(summary, details["rates"]), ""]
         if summary["forms"]:
-            markdown += ["The trust region's two forms (cap, target) and two measuring cadences (every 8th, every 16th "
-                         "step), on OBLR-PO's and on GRPO's advantages, paired by seed at each rate both ran:\n",
+            markdown += ["The trust region's forms (cap, target, peak), measuring cadences (every 8th, every 16th step) "
+                         "and curvature readings (per unit rate, per unit of Adam's update), on OBLR-PO's and on "
+                         "GRPO's advantages, paired by seed at each rate both ran:\n",
                          form_table(summary["forms"]), ""]
         if summary.get("form_regrets"):
             markdown += ["Regret difference over the grid, paired by seed (the seeds both ran at every rate):\n",
@@ -939,9 +948,10 @@ def synthetic_defaults_line() -> str:
     if (DEFAULT.trust_region_kl, DEFAULT.trust_region_mode) == defaults:
         return ""
     twin = next((name for name, m in SYNTHETIC_METHODS.items() if (m.trust_region_kl, m.trust_region_mode) == defaults),
-                "none of them")
+                None)
     return (f"Here `oblrpo` is OBLR-PO's defaults without the trust region (before 2026-11-26); today's defaults "
-            f"(δ = {defaults[0]:g}, {defaults[1]}) are `{twin}`.\n")
+            f"(δ = {defaults[0]:g}, {defaults[1]}) are " + (f"`{twin}`" if twin else "none of the testbed's methods")
+            + ".\n")
 
 
 def resolve_tag() -> str:

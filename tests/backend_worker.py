@@ -5,7 +5,7 @@
 
 The SNR factor is read as 'absolute' (the paper's, in [snr_lr_floor, 1]) so that it acts within the run's 4 steps; the
 default calibrated reference stays at 1 until its window of 20 steps resolves. Everything else is the defaults,
-the trust region's target form included.
+the trust region's peak form included.
 
 Records, for every call of the innermost torch optimizer's `step` (DeepSpeed's ZeRO optimizers call it once per
 param group), the learning rate it actually used (read by a step pre-hook registered after the trainer's), the
@@ -107,7 +107,8 @@ def main(out: str) -> None:
                 "trust_region": {"kl": args.lr_trust_region_kl, "mode": args.lr_trust_region_mode,
                                  "min_ratio": args.lr_trust_region_min_ratio,
                                  "max_ratio": args.lr_trust_region_max_ratio,
-                                 "measure_steps": args.lr_trust_region_measure_steps},
+                                 "measure_steps": args.lr_trust_region_measure_steps,
+                                 "curvature": args.lr_trust_region_curvature},
                 "params_changed": bool((final != recorder.initial).any()),
                 "params_finite": bool(final.isfinite().all()),
                 "log_history": trainer.state.log_history,

@@ -3,10 +3,10 @@ assertions, on 2 CPU processes (torchrun, gloo, as the equivalence matrix launch
 worker then asks the Trainer for FSDP2 itself: `accelerate launch` keeps a CPU run on DDP whatever its config says).
 A change of defaults that breaks what the GPU test asserts breaks this one first, in CI.
 
-What both check, for every optimizer step of a 4-step run with the defaults (the trust region's target form
-included): the rate the torch optimizer used is the scheduled rate × the SNR factor × the trust-region factor; each
-factor stays in its own bounds (SNR, read as 'absolute': [snr_lr_floor, 1]; the target: [lr_trust_region_min_ratio,
-lr_trust_region_max_ratio]); the first step is the trust region's probe; both factors acted; the parameters changed
+What both check, for every optimizer step of a 4-step run with the defaults (the trust region's peak form per unit of
+Adam's update included): the rate the torch optimizer used is the scheduled rate × the SNR factor × the trust-region
+factor; each factor stays in its own bounds (SNR, read as 'absolute': [snr_lr_floor, 1]; the trust region:
+[lr_trust_region_min_ratio, lr_trust_region_max_ratio]); the first step is the trust region's probe; both factors acted; the parameters changed
 and stayed finite.
 """
 
@@ -74,7 +74,7 @@ def assert_rates_reach_the_optimizer(result: dict) -> None:
     logged, trust = result["logged"], result["trust_region"]
     # one entry per call of the torch optimizer's step: 4 steps, × the param groups under ZeRO
     assert len(result["used_lrs"]) == len(logged) and len(logged) % 4 == 0
-    assert trust["kl"] is not None and trust["mode"] == "target"  # the defaults' trust region
+    assert trust["kl"] is not None and (trust["mode"], trust["curvature"]) == ("peak", "per_update")  # the defaults
     ceiling = largest_factor(trust["mode"], trust["max_ratio"])
     for used, (scheduled, factor, snr_part, trust_part) in zip(result["used_lrs"], logged, strict=True):
         assert factor == pytest.approx(snr_part * trust_part, rel=1e-9)
@@ -89,13 +89,16 @@ def assert_rates_reach_the_optimizer(result: dict) -> None:
     # a step without an independent pair of gradients is unresolved: NaN, which TRL's log writes as None
     snr = [log["snr/snr"] for log in result["log_history"] if log.get("snr/snr") is not None]
     assert snr and all(s == s and s >= 0 for s in snr)
-    # the KL measured on the first step with a gradient and every k-th one after it (a zero-gradient step does not
-    # count when k > 1), on every backend alike; with no warm-up the first measured step moves the policy, so the
-    # measuring until one has (`StepKLRecorder._due`) ends there
+    # the KL measured on the first step with a gradient (the probe) and the next one (whose reading replaces the
+    # probe's in the peak form), then 1, 2, 4, … steps with a gradient apart up to every k-th (per update), on every
+    # backend alike; a zero-gradient step is never measured when k > 1
     steps = [log for log in result["log_history"] if "loss" in log]
     every = trust["measure_steps"]
+    with_gradient = [i for i, log in enumerate(steps) if every == 1 or log["grad_norm"] > 0]
     measured = [i for i, log in enumerate(steps) if log.get("oblr/step_kl") is not None]
-    assert measured == [i for i, log in enumerate(steps) if every == 1 or log["grad_norm"] > 0][::every]
+    assert set(measured) <= set(with_gradient) and measured[:2] == with_gradient[:2]
+    gaps = [with_gradient.index(b) - with_gradient.index(a) for a, b in zip(measured, measured[1:])]
+    assert gaps == sorted(gaps) and all(1 <= gap <= every for gap in gaps)
     assert all(steps[i]["oblr/step_kl"] >= 0 for i in measured)
 
 

@@ -539,42 +539,55 @@ def test_a_cached_run_of_the_defaults_is_rerun_when_their_trust_region_changes(t
     before = cached("before", method="oblrpo", overrides={})
     assert not current(before, {"method": "oblrpo", "overrides": {}})
     assert current(before, {"method": "oblrpo-no-trust", "overrides": {"lr_trust_region_kl": None}})
-    mode = OBLRPOConfig.lr_trust_region_mode
+    mode, curvature = OBLRPOConfig.lr_trust_region_mode, OBLRPOConfig.lr_trust_region_curvature
     now = cached("now", method="oblrpo", overrides={}, lr_trust_region_kl=default, lr_trust_region_mode=mode,
-                 lr_trust_region_measure_steps=OBLRPOConfig.lr_trust_region_measure_steps)
+                 lr_trust_region_measure_steps=OBLRPOConfig.lr_trust_region_measure_steps,
+                 lr_trust_region_curvature=curvature)
     assert current(now, {"method": "oblrpo", "overrides": {}})
     every_step = cached("every_step", method="oblrpo", overrides={}, lr_trust_region_kl=default,
-                        lr_trust_region_mode=mode)
+                        lr_trust_region_mode=mode, lr_trust_region_curvature=curvature)
     assert current(every_step, {"overrides": {"lr_trust_region_measure_steps": 1}})
     assert not current(every_step, {"overrides": {"lr_trust_region_measure_steps": 4}})
     assert current(cached("every4", overrides={"lr_trust_region_measure_steps": 4}, lr_trust_region_kl=default,
-                          lr_trust_region_mode=mode), {"overrides": {"lr_trust_region_measure_steps": 4}})
+                          lr_trust_region_mode=mode, lr_trust_region_curvature=curvature),
+                   {"overrides": {"lr_trust_region_measure_steps": 4}})
     assert current(cached("grpo", method="grpo", overrides=None), {"method": "grpo", "overrides": None})
     every = {"lr_trust_region_measure_steps": 1}
     explicit = cached("explicit", method="cap", overrides={"lr_trust_region_kl": 0.4, **every})
-    assert current(explicit, {"overrides": {"lr_trust_region_kl": 0.4, "lr_trust_region_mode": "cap", **every}})
-    assert not current(explicit, {"overrides": {"lr_trust_region_kl": default, "lr_trust_region_mode": "cap", **every}})
+    cap = {"lr_trust_region_mode": "cap", "lr_trust_region_curvature": "per_rate", **every}
+    assert current(explicit, {"overrides": {"lr_trust_region_kl": 0.4, **cap}})
+    assert not current(explicit, {"overrides": {"lr_trust_region_kl": default, **cap}})
     # the defaults' form changed on 2026-11-28: a run of the defaults recorded before then (no form: the cap) is
-    # re-run for `oblrpo`, and serves a spec that asks for the cap
+    # re-run for `oblrpo`, and serves a spec that asks for the cap (per unit rate, the only reading then)
+    per_rate = {"lr_trust_region_curvature": "per_rate"}
     before_target = cached("before_target", method="oblrpo", overrides={}, lr_trust_region_kl=default,
                            lr_trust_region_measure_steps=OBLRPOConfig.lr_trust_region_measure_steps)
-    assert mode == "target" and not current(before_target, {"method": "oblrpo", "overrides": {}})
-    assert current(before_target, {"overrides": {"lr_trust_region_mode": "cap"}})
+    assert not current(before_target, {"method": "oblrpo", "overrides": {}})
+    assert current(before_target, {"overrides": {"lr_trust_region_mode": "cap", **per_rate}})
+    # and the curvature on 2026-11-29: a target-form run recorded before the curvature was (per unit rate) is re-run
+    # for `oblrpo` (per update), and serves a spec that asks for the target form per unit rate
+    before_peak = cached("before_peak", method="oblrpo", overrides={}, lr_trust_region_kl=default,
+                         lr_trust_region_measure_steps=OBLRPOConfig.lr_trust_region_measure_steps,
+                         lr_trust_region_mode="target")
+    assert curvature == "per_update" and not current(before_peak, {"method": "oblrpo", "overrides": {}})
+    assert current(before_peak, {"overrides": {"lr_trust_region_mode": "target", **per_rate}})
+    assert not current(before_peak, {"overrides": {"lr_trust_region_mode": "target"}})
 
 
 def test_the_grid_reports_the_defaults_from_the_trust_region_runs_that_are_them(tmp_path):
-    """Where a grid's δ, form and measuring cadence are OBLRPOConfig's defaults, `oblrpo` in the summary is that
-    method's cells (marked as the same runs); where δ differs (a ± b's 0.4), `oblrpo` is absent, not borrowed."""
+    """Where a method's δ, form, measuring cadence and curvature are OBLRPOConfig's defaults, `oblrpo` in the summary
+    is that method's cells (marked as the same runs); where one differs, `oblrpo` is absent, not borrowed."""
     sys.path.insert(0, str(BENCHMARKS))
-    from stability import A_PLUS_B, A_PLUS_MINUS_B, SMOLLM2_METHODS, defaults_twin, smollm2_grid
+    from stability import A_PLUS_B, PEAK_DELTA_METHOD, SMOLLM2_METHODS, defaults_twin, smollm2_grid
 
     from oblr_trl import OBLRPOConfig
 
     twin = defaults_twin(A_PLUS_B)
     overrides = SMOLLM2_METHODS[twin][0]
-    assert overrides["lr_trust_region_mode"] == OBLRPOConfig.lr_trust_region_mode
-    assert overrides.get("lr_trust_region_measure_steps", 1) == OBLRPOConfig.lr_trust_region_measure_steps
-    assert twin == "oblrpo-trust-target-every16"
+    for field in ("lr_trust_region_kl", "lr_trust_region_mode", "lr_trust_region_measure_steps",
+                  "lr_trust_region_curvature"):
+        assert overrides[field] == getattr(OBLRPOConfig, field), field
+    assert twin == PEAK_DELTA_METHOD
 
     def runs(problems, method):
         made = [{"method": "initial", "accuracy": 0.5, "problems": problems["title"], "learning_rate": 0.0, "seed": 0}]
@@ -593,22 +606,21 @@ def test_the_grid_reports_the_defaults_from_the_trust_region_runs_that_are_them(
     rates = details["defaults_range"]
     assert list(rates) == [f"{r:g}" for r in A_PLUS_B["grid"][:2]] + ["0.001"]
     assert rates["0.001"]["of_best_cell"] == pytest.approx(0.5) and rates["1e-06"]["of_best_cell"] == pytest.approx(1)
-    # another cadence, another form: not the defaults
-    for other in ("oblrpo-trust-target", "oblrpo-trust-target-every8", "oblrpo-trust-cap-every8"):
+    # another δ, cadence, form or curvature: not the defaults (the a ± b grid's δ of 0.4 included)
+    for other in ("oblrpo-trust-target-every16", "oblrpo-trust-peak-every16", "oblrpo-trust-peak-update-every16",
+                  "oblrpo-trust-cap-every8"):
         summary, _ = smollm2_grid(runs(A_PLUS_B, other), resamples=20)
         assert "oblrpo" not in summary["methods"]
-    summary, _ = smollm2_grid(runs(A_PLUS_MINUS_B, twin), resamples=20)
-    assert "oblrpo" not in summary["methods"]
     # and the grid does not run the defaults twice under two names
     from stability import grid_methods
 
     assert grid_methods(["grpo", "oblrpo", twin], A_PLUS_B) == ["grpo", twin]
-    assert grid_methods(["grpo", "oblrpo", twin], A_PLUS_MINUS_B) == ["grpo", "oblrpo", twin]
     assert grid_methods(["grpo", "oblrpo"], A_PLUS_B) == ["grpo", "oblrpo"]
-    # the synthetic testbed's `oblrpo` predates the trust region: its summary names the method that is the defaults
+    # the synthetic testbed's `oblrpo` predates the trust region, and it has no peak form per update: its summary says
+    # that none of its methods is the defaults
     from stability import synthetic_defaults_line
 
-    assert "are `oblrpo-trust-target`" in synthetic_defaults_line()
+    assert "are none of the testbed's methods" in synthetic_defaults_line()
 
 
 def test_each_problem_set_has_its_own_results_folder_and_a_plus_b_decides():

@@ -14,6 +14,7 @@ from test_backend_rates import (
     launch_backend_worker,
 )
 from test_ghost_norms import oracle, padded_batch
+from test_trust_region import assert_update_read_from_the_state
 
 from oblr_trl.estimators.ghost_norms import log_likelihood_grad_sq_norms
 from oblr_trl.testing import tiny_causal_lm
@@ -29,6 +30,12 @@ def test_ghost_norms_match_the_per_row_loop_on_cuda(tokenizer, dtype, tolerance)
     ghost = log_likelihood_grad_sq_norms(model.to(dtype), ids, mask, keep, scale, 0.8)
     assert ghost.dtype == torch.float32 and ghost.device.type == "cuda"
     assert ((ghost - reference).abs() / reference).max().item() < tolerance
+
+
+@pytest.mark.parametrize("adam", [{}, {"fused": True}, {"capturable": True}], ids=["adam", "fused", "capturable"])
+def test_adams_update_is_read_where_the_optimizer_keeps_its_step_count(adam):
+    """The per-update curvature's reader with the step count on the GPU (fused, capturable) and on the host."""
+    assert_update_read_from_the_state("cuda", **adam)
 
 
 @pytest.mark.parametrize("weights", ["logit", "exact"])

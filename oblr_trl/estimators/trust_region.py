@@ -105,6 +105,7 @@ def adam_update_square_sum(optimizer: torch.optim.Optimizer) -> torch.Tensor | N
     gradients whose signs disagree from step to step (docs/math.md, "The curvature per unit update").
     """
     total: torch.Tensor | None = None
+    count = 0
     for group in optimizer.param_groups:
         beta1, beta2 = group.get("betas", (None, None))
         eps = group.get("eps")
@@ -114,16 +115,20 @@ def adam_update_square_sum(optimizer: torch.optim.Optimizer) -> torch.Tensor | N
             state = optimizer.state.get(param, {})
             if "exp_avg" not in state or "exp_avg_sq" not in state or "step" not in state:
                 continue
-            step = float(state["step"])
-            if step < 1:
-                continue
+            # a step count the optimizer keeps on an accelerator (fused, capturable) stays there, in float32 as the
+            # optimizer itself computes with it: reading it on the host would wait for the device once per parameter
+            step = state["step"]
+            if not isinstance(step, torch.Tensor) or step.device.type == "cpu":
+                step = float(step)
             second = state["max_exp_avg_sq"] if group.get("amsgrad") else state["exp_avg_sq"]
             first, second = _local(state["exp_avg"]).float(), _local(second).float()
             denominator = (second / (1.0 - beta2**step)).sqrt_().add_(eps)
-            update = first.div(1.0 - beta1**step).div_(denominator)
-            part = torch.stack([update.square().sum(), torch.tensor(float(update.numel()), device=update.device)])
-            total = part if total is None else total + part.to(total.device)
-    return total
+            square_sum = first.div(1.0 - beta1**step).div_(denominator).square().sum()
+            total = square_sum if total is None else total + square_sum.to(total.device)
+            count += first.numel()
+    if total is None:
+        return None
+    return torch.stack([total, torch.tensor(float(count), device=total.device)])
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

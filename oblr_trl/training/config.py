@@ -72,8 +72,8 @@ class OBLRPOConfig(OBLRPOOptions, GRPOConfig):  # this base order keeps GRPOConf
     GRPO: the advantage baseline is the variance-optimal, gradient-weighted one, and the learning rate of each
     optimizer step is scaled by a factor driven by the measured gradient signal-to-noise ratio. On top of the paper, a
     trust region measures the policy KL a step causes and sets the rate that moves the policy by δ (ours: the paper
-    leaves its η_max unmeasured); in the default `"target"` form that rate is the one used, within 0.01–10× the
-    scheduled rate.
+    leaves its η_max unmeasured); in the default `"peak"` form that rate is the schedule's peak, within 0.01–10× the
+    configured one, and the schedule and the SNR factor shape every step around it.
 
     Parameters:
         > Parameters that control the baseline
@@ -177,36 +177,37 @@ class OBLRPOConfig(OBLRPOOptions, GRPOConfig):  # this base order keeps GRPOConf
 
         > Parameters that control the trust region of the step (docs/rate_rule.md)
 
-        lr_trust_region_kl (`float` or `None`, *optional*, defaults to `0.01`):
+        lr_trust_region_kl (`float` or `None`, *optional*, defaults to `0.005`):
             Target δ of the mean per-token KL(π_t ‖ π_{t+1}) one optimizer step may move the policy by. After a step
             (every `lr_trust_region_measure_steps`-th) the KL is measured on the step's completions (one no-grad
-            forward, k3 estimator on the sampled tokens) and the curvature c = KL/lr² smoothed; the next step's rate
-            is the one that moves the policy by δ, sqrt(δ/ĉ), used as `lr_trust_region_mode` says. Until a step has
-            moved the policy, the step is a probe at `lr_trust_region_min_ratio` × the base rate (Adam's first step is
-            its largest). A step whose gradient is zero (every group scored alike) moves the policy by Adam's momentum
-            only: its KL is logged but not folded into the curvature, which it would understate. It composes with the
-            rest as lr = scheduled · f_SNR · g_TR: the schedule (warm-up included) and the SNR factor set the base
-            rate, the trust-region factor g_TR is computed on it; gradient clipping acts on the gradient before (the
-            KL measures the clipped step); the curvature is saved in checkpoints and restored on resume; the KL is
-            summed over every process's tokens; under FSDP2 and DeepSpeed the measuring forward runs on every process
-            like a training forward. The default, 0.01 in the `"target"` form, makes the configured rate matter little:
-            on SmolLM2 sums (a + b) every rate from 1e-6 to 3e-4 ended within 0.07 of the best cell (regret 0.016
-            against the cap's 0.109 and GRPO's 0.247) and at GRPO's best rate it was level with GRPO (+0.033
-            [−0.012, +0.083], 10 seeds); on products (a × b, δ unchanged, measured every 8th step) its regret was
-            0.024 against the cap's 0.103; it costs one no-grad forward of at most 8 of the step's completions every
-            16th step with a gradient (about 0.7 % of a GRPO step on 2 CPU cores; benchmarks/README.md has the
-            measured cost). `None`: no trust region and no measuring forward (TRL's step).
-        lr_trust_region_mode (`str`, *optional*, defaults to `"target"`):
-            How the trust-region rate η_δ = sqrt(δ/ĉ) sets the rate used, η_s = scheduled · f_SNR:
+            forward, k3 estimator on the sampled tokens) and the curvature (per `lr_trust_region_curvature`)
+            smoothed; η_δ is the rate that moves the policy by δ, used as `lr_trust_region_mode` says. Until a step
+            has moved the policy, the step is a probe at `lr_trust_region_min_ratio` × the base rate (Adam's first
+            step is its largest). A step whose gradient is zero (every group scored alike) moves the policy by Adam's
+            momentum only: its KL is logged but not folded into the curvature, which it would understate. It composes
+            with the rest as lr = scheduled · f_SNR · g_TR: the schedule (warm-up included) and the SNR factor set the
+            base rate, the trust-region factor g_TR is computed on it; gradient clipping acts on the gradient before
+            (the KL measures the clipped step); the curvature is saved in checkpoints and restored on resume; the KL
+            is summed over every process's tokens; under FSDP2 and DeepSpeed the measuring forward runs on every
+            process like a training forward. The default 0.005 is the median per-step KL of validation runs at GRPO's
+            best rate on SmolLM2 sums (a + b), scaled to their schedule's peak: the KL of a well-tuned peak step. It
+            costs one no-grad forward of at most 8 of the step's completions on the steps measured (the first steps
+            1, 2, 4, 8 apart, then every 16th with a gradient; about 0.7 % of a GRPO step on 2 CPU cores every 16th,
+            benchmarks/README.md has the measured cost). `None`: no trust region and no measuring forward (TRL's
+            step).
+        lr_trust_region_mode (`str`, *optional*, defaults to `"peak"`):
+            How the trust-region rate η_δ sets the rate used, η_s = scheduled · f_SNR:
 
+            - `"peak"`: η_s · clip(η_δ / η_peak, ...) with η_peak the schedule's peak (`learning_rate`) — the paper's
+              η_t = η_max · f_t with η_max measured: η_δ replaces the configured peak (within
+              [`lr_trust_region_min_ratio`, `lr_trust_region_max_ratio`] × it), and the schedule's shape (warm-up,
+              decay) and the SNR factor act on every step. δ is the KL aimed at at the peak; a step below it aims at
+              δ·(η/η̂_max)² (`oblr/step_kl_target`). The probe's reading (Adam's first step, which overstates the
+              curvature) is replaced by the next step's, which is measured too.
             - `"target"`: clip(η_δ, `lr_trust_region_min_ratio` · η_s, `lr_trust_region_max_ratio` · η_s). Inside
               the bounds the rate used is η_δ: the schedule and the SNR factor cancel, and the rate is constant
-              between measurements. A too-low configured rate (TRL's default 1e-6 included) is raised too; a step
-              with a zero gradient, which Adam's momentum alone drives, is never raised above η_s.
-            - `"peak"`: η_s · clip(η_δ / η_peak, ...) with η_peak the schedule's peak (`learning_rate`) — the paper's
-              η_t = η_max · f_t with η_max measured: η_δ replaces the configured peak, and the schedule's shape and
-              the SNR factor act on every step. δ is the KL aimed at at the peak. The probe's reading (Adam's first
-              step, which overstates the curvature) is replaced by the next step's, which is measured too.
+              between measurements. A step with a zero gradient, which Adam's momentum alone drives, is never raised
+              above η_s.
             - `"cap"`: min(η_s, η_δ) — the configured rate becomes a ceiling; it only ever lowers the rate.
         lr_trust_region_min_ratio (`float`, *optional*, defaults to `0.01`):
             Smallest trust-region factor, in (0, 1]: a spike of curvature cannot stall training. Also the factor of
@@ -215,10 +216,9 @@ class OBLRPOConfig(OBLRPOOptions, GRPOConfig):  # this base order keeps GRPOConf
             Largest trust-region factor of `"target"` and `"peak"`, ≥ 1 (`"cap"` never exceeds 1).
         lr_trust_region_ema_decay (`float`, *optional*, defaults to `0.5`):
             Decay of the bias-corrected moving average of the curvature KL/lr², in [0, 1).
-        lr_trust_region_curvature (`str`, *optional*, defaults to `"per_rate"`):
+        lr_trust_region_curvature (`str`, *optional*, defaults to `"per_update"`):
             How the trust region reads and predicts the curvature:
 
-            - `"per_rate"`: c = KL/lr², measured every `lr_trust_region_measure_steps`-th step with a gradient.
             - `"per_update"`: c = KL/(lr² · ū²), ū² the mean square of the step's update per unit rate
               u = m̂/(√v̂ + ε) (read from the optimizer's state after the step, logged as `oblr/update_rms`), the next
               step sized with the last gradient step's ū²; measured on the steps with a gradient 1, 2, 4, … apart
@@ -229,6 +229,8 @@ class OBLRPOConfig(OBLRPOOptions, GRPOConfig):  # this base order keeps GRPOConf
               0.43–1.70) against 0.17× per unit rate measured every 16th step
               (benchmarks/results/stability/kl_prediction.md). An optimizer without Adam's state reads as
               `"per_rate"` with the short gaps.
+            - `"per_rate"`: c = KL/lr², measured every `lr_trust_region_measure_steps`-th step with a gradient. Its
+              steps land at about a tenth of the KL aimed at.
         lr_trust_region_sample_size (`int` or `None`, *optional*, defaults to `8`):
             Measure each step's KL on at most this many of the step's completions (over all processes, drawn uniformly
             without replacement, the same draw in any process layout); a step with no more completions than this is

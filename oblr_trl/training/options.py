@@ -171,24 +171,24 @@ class OBLRPOOptions:
 
     # Parameters that control the trust region of the step
     lr_trust_region_kl: float | None = field(
-        default=0.01,
+        default=0.005,
         metadata={
             "help": "Target δ of the mean per-token KL(π_t ‖ π_{t+1}) one optimizer step may move the policy by, "
             "measured after a step on its completions (every lr_trust_region_measure_steps-th step); the next step's "
-            "rate is the one the smoothed curvature KL/lr² says gives δ (see lr_trust_region_mode); until a step has "
-            "moved the policy, the step is a probe at lr_trust_region_min_ratio × the base rate. The default 0.01 "
-            "('target' form) makes the configured rate matter little (docs/rate_rule.md). None: no trust region "
-            "and no measuring forward."
+            "rate is the one the smoothed curvature says gives δ (see lr_trust_region_mode and "
+            "lr_trust_region_curvature); until a step has moved the policy, the step is a probe at "
+            "lr_trust_region_min_ratio × the base rate. With the defaults it sets the peak rate, which your schedule "
+            "and the SNR factor shape (docs/rate_rule.md). None: no trust region and no measuring forward."
         },
     )
     lr_trust_region_mode: str = field(
-        default="target",
+        default="peak",
         metadata={
-            "help": "How the trust-region rate η_δ sets the rate used. 'target': η_δ within "
-            "[lr_trust_region_min_ratio, lr_trust_region_max_ratio] × scheduled × SNR factor, so inside those "
-            "bounds the rate is η_δ whatever the schedule and SNR factor; a too-low rate is raised too (never a step with a zero gradient). 'peak': "
-            "η_δ replaces the schedule's peak (your learning_rate), and the schedule and SNR factor shape every step "
-            "around it; the step after the probe is measured too. 'cap': min(scheduled × SNR factor, η_δ).",
+            "help": "How the trust-region rate η_δ sets the rate used. 'peak': η_δ replaces the schedule's peak (your "
+            "learning_rate), within [lr_trust_region_min_ratio, lr_trust_region_max_ratio] × it, and the schedule "
+            "and SNR factor shape every step around it; the step after the probe is measured too. 'target': η_δ "
+            "within those bounds × scheduled × SNR factor, so inside them the rate is η_δ whatever the schedule and "
+            "SNR factor (never raised on a step with a zero gradient). 'cap': min(scheduled × SNR factor, η_δ).",
             "choices": list(TRUST_REGION_MODES),
         },
     )
@@ -206,7 +206,7 @@ class OBLRPOOptions:
         metadata={"help": "Decay of the bias-corrected moving average of the measured curvature KL/lr², in [0, 1)."},
     )
     lr_trust_region_curvature: str = field(
-        default="per_rate",
+        default="per_update",
         metadata={
             "help": "'per_rate': the curvature KL/lr². 'per_update': KL/(lr² · mean u²), u = m̂/(√v̂ + ε) Adam's "
             "update, the next step sized with the last mean u², measured 1, 2, 4, … steps apart before every "
