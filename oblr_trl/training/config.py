@@ -192,9 +192,9 @@ class OBLRPOConfig(OBLRPOOptions, GRPOConfig):  # this base order keeps GRPOConf
             process like a training forward. The default 0.005 is the median per-step KL of validation runs at GRPO's
             best rate on SmolLM2 sums (a + b), scaled to their schedule's peak: the KL of a well-tuned peak step. It
             costs one no-grad forward of at most 8 of the step's completions on the steps measured (the first steps
-            1, 2, 4, 8 apart, then every 16th with a gradient; about 0.7 % of a GRPO step on 2 CPU cores every 16th,
-            benchmarks/README.md has the measured cost). `None`: no trust region and no measuring forward (TRL's
-            step).
+            1, 2, 4, 8 apart, then every 16th with a gradient) and, per update, a read of Adam's state after every
+            step: 1.02× a GRPO step in a long run on 2 CPU cores, 1.10× over a run's first 7 steps
+            (benchmarks/README.md). `None`: no trust region and no measuring forward (TRL's step).
         lr_trust_region_mode (`str`, *optional*, defaults to `"peak"`):
             How the trust-region rate η_δ sets the rate used, η_s = scheduled · f_SNR:
 
