@@ -23,11 +23,12 @@ Seven parts, each resumable and each writing into the one summary:
   1e-4, GRPO's best in the learning benchmark; measured under the grader before 2026-11-25, kept in
   `results/stability-a-pm-b/`). GRPO, the defaults, the defaults without the trust region (`oblrpo-no-trust`, the
   defaults before 2026-11-26), the paper-literal factor, and the trust region of the step (`lr_trust_region_kl`, δ
-  chosen by ``delta``) in both forms on GRPO's advantages and on OBLR-PO's. Where a grid's δ and form are the
-  defaults' (a + b: the cap at 0.01), `oblrpo` is not run again: the summary reports that trust-region method's runs
-  under its name too. Each run is a fresh process kept under the problems' folder, `results/stability/runs/` for
-  a + b (committed, so the grid can be completed across sessions: ``--methods``/``--rates``/``--seeds`` pick a part
-  of it).
+  chosen by ``delta``) in its forms on GRPO's advantages and on OBLR-PO's. Where a method sets only the defaults
+  (a + b: the peak form per update at δ = 0.005), `oblrpo` is not run again: the summary reports that method's runs
+  under its name too. At GRPO's best rate the defaults without the SNR factor (`oblrpo-defaults-no-snr`) and with a
+  calibration that lets it act on more of a run give the summary's ``snr_ablation``, paired by seed. Each run is a
+  fresh process kept under the problems' folder, `results/stability/runs/` for a + b (committed, so the grid can be
+  completed across sessions: ``--methods``/``--rates``/``--seeds`` pick a part of it).
 * ``delta`` — the per-step KL of the defaults at the best rate on validation seeds and the validation split, from
   which δ is chosen.
 * ``validation`` — any ``--methods`` on validation seeds (10, 11) and the validation split: where the rule's
@@ -156,6 +157,15 @@ PEAK_DELTA_METHOD = "oblrpo-trust-peak-update-every16-kl0.005"
 SMOLLM2_METHODS[PEAK_DELTA_METHOD] = (
     {"lr_trust_region_kl": 0.005, "lr_trust_region_mode": "peak", "lr_trust_region_measure_steps": 16,
      "lr_trust_region_curvature": "per_update"}, TRL_SCHEDULE)
+# issue 56, item 4: the defaults without the SNR factor (the ablation's other arm), and with a calibrated factor that
+# can act on most of a 40-step run: the window of 20 steps resolves on few of them (its mean ‖μ‖² estimate rarely
+# reaches t = 2 with 2 prompts a step) and the measured SNR falls through training, which the default ratio floor of 1
+# ignores; a window of 5 steps and a floor of 0.5 (replayed on the validation runs' estimates: 41 % of steps acted
+# on, against 4 % for the defaults)
+SMOLLM2_METHODS["oblrpo-defaults-no-snr"] = (
+    {**SMOLLM2_METHODS[PEAK_DELTA_METHOD][0], "use_snr_lr": False}, TRL_SCHEDULE)
+SMOLLM2_METHODS["oblrpo-defaults-snr-two-sided-cal5"] = (
+    {**SMOLLM2_METHODS[PEAK_DELTA_METHOD][0], "snr_lr_min_ratio": 0.5, "snr_calibration_steps": 5}, TRL_SCHEDULE)
 for _form in ("peak", "target"):
     SMOLLM2_METHODS[f"oblrpo-trust-{_form}-update-every16"] = (
         {"lr_trust_region_kl": PROBLEMS_DELTA, "lr_trust_region_mode": _form, "lr_trust_region_measure_steps": 16,
@@ -625,6 +635,72 @@ def defaults_twin(problems: dict) -> str | None:
                 None)
 
 
+# issue 56, item 4: the SNR factor on and off at GRPO's best rate, the rest of the defaults unchanged. The defaults are
+# the first arm; the others calibrate the factor so that it can act on more of a 40-step run
+SNR_ABLATION_WITHOUT = "oblrpo-defaults-no-snr"
+SNR_ABLATION_ARMS = ["oblrpo-defaults-snr-two-sided-cal5"]
+
+
+def snr_factor_acting_fraction(runs: list[dict]) -> float | None:
+    """Of the runs' steps that logged an SNR factor, the share whose factor moved the rate by more than 1 %."""
+    factors = [f for r in runs for f in r["traces"]["snr/lr_factor"] if isinstance(f, float) and math.isfinite(f)]
+    return sum(abs(f - 1.0) > 0.01 for f in factors) / len(factors) if factors else None
+
+
+def snr_ablation(runs: list[dict], validation: list[dict], twin: str | None, rate: float, resamples: int) -> dict:
+    """Each arm with the SNR factor (the defaults, `twin`, first; then `SNR_ABLATION_ARMS`) minus the defaults without
+    it (`SNR_ABLATION_WITHOUT`): final test accuracy at ``rate``, paired by seed, with the share of the arm's steps the
+    factor acted on. The defaults' comparison is the top level, the other arms under ``variants``; the validation runs
+    that chose among the arms (seeds 10, 11, validation split) under ``validation``. Empty before a pair has run."""
+    def by_seed(pool: list[dict], method: str) -> dict[int, dict]:
+        return {r["seed"]: r for r in pool if r["method"] == method and r["learning_rate"] == rate}
+
+    without = by_seed(runs, SNR_ABLATION_WITHOUT)
+    arms = {}
+    for arm in [twin, *SNR_ABLATION_ARMS]:
+        mine = by_seed(runs, arm)
+        seeds = sorted(set(mine) & set(without))
+        if arm is None or not seeds:
+            continue
+        differences = [mine[s]["accuracy"] - without[s]["accuracy"] for s in seeds]
+        arms[arm] = {"with": arm, "without": SNR_ABLATION_WITHOUT, "rate": rate,
+                     "difference_mean": statistics.fmean(differences),
+                     "difference_ci": bootstrap_ci(differences, resamples), "seeds": seeds,
+                     "with_final_mean": statistics.fmean(mine[s]["accuracy"] for s in seeds),
+                     "without_final_mean": statistics.fmean(without[s]["accuracy"] for s in seeds),
+                     "acting_fraction": snr_factor_acting_fraction([mine[s] for s in seeds])}
+    screen = {}
+    for method in [twin, SNR_ABLATION_WITHOUT, *SNR_ABLATION_ARMS]:
+        chosen_on = by_seed(validation, method)
+        if chosen_on:
+            screen[method] = {"final_by_seed": {seed: r["accuracy"] for seed, r in sorted(chosen_on.items())},
+                              "acting_fraction": snr_factor_acting_fraction(list(chosen_on.values()))}
+    if not arms and not screen:
+        return {}
+    return {"rate": rate, **arms.pop(twin, {}), "variants": arms, "validation": screen}
+
+
+def snr_ablation_lines(ablation: dict) -> list[str]:
+    rows = [[entry["with"], f"{entry['with_final_mean']:.3f}", f"{entry['without_final_mean']:.3f}",
+             f"{entry['difference_mean']:+.3f} [{entry['difference_ci'][0]:+.3f}, {entry['difference_ci'][1]:+.3f}]",
+             len(entry["seeds"]), "—" if entry["acting_fraction"] is None else f"{entry['acting_fraction']:.2f}"]
+            for entry in ([ablation] if "with" in ablation else []) + list(ablation["variants"].values())]
+    lines = ["The SNR factor on and off, the rest of the defaults unchanged (final test accuracy at "
+             f"{ablation['rate']:g}, paired by "
+             f"seed against `{SNR_ABLATION_WITHOUT}`; acted: the share of the arm's steps whose rate the factor moved "
+             "by more than 1 %):\n"]
+    if rows:
+        lines += [markdown_table(["with the factor", "final", "without", "difference [95 % CI]", "seeds", "acted"],
+                                 rows), ""]
+    if ablation["validation"]:
+        lines += ["Validation runs that chose the arms (validation seeds and split):\n",
+                  markdown_table(["method", "seed: final validation acc.", "acted"],
+                                 [[method, ", ".join(f"{seed}: {acc:.3f}" for seed, acc in v["final_by_seed"].items()),
+                                   "—" if v["acting_fraction"] is None else f"{v['acting_fraction']:.2f}"]
+                                  for method, v in ablation["validation"].items()]), ""]
+    return lines
+
+
 # --- report ----------------------------------------------------------------------------------------------------------
 def cell_table(summary: dict, rates: list[float]) -> str:
     rows = []
@@ -804,6 +880,13 @@ def write_summary(args) -> None:
                                         [[rate, f"{cell['final_mean']:.3f}", cell["seeds"],
                                           "—" if cell["of_best_cell"] is None else f"{cell['of_best_cell']:.2f}"]
                                          for rate, cell in details["defaults_range"].items()]), ""]
+        problems = PROBLEMS.get(next((key for key, p in PROBLEMS.items() if p["title"] == details["problems"]), ""))
+        validation = [json.loads(p.read_text()) for p in sorted(runs_dir.glob("validation-*.json"))]
+        ablation = snr_ablation(runs, validation, defaults_twin(problems), problems["best_rate"],
+                                args.bootstrap) if problems else {}
+        if ablation:
+            results["snr_ablation"] = ablation
+            markdown += snr_ablation_lines(ablation)
         if details["beyond_grid"]:
             markdown += ["Runs outside the grid (not in the regret): final test accuracy per seed\n",
                          markdown_table(["method @ rate", "seed: final"],

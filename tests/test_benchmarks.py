@@ -574,6 +574,40 @@ def test_a_cached_run_of_the_defaults_is_rerun_when_their_trust_region_changes(t
     assert not current(before_peak, {"overrides": {"lr_trust_region_mode": "target"}})
 
 
+def test_stability_snr_ablation_pairs_each_arm_with_the_defaults_without_the_factor_by_seed():
+    """Issue 56, item 4: each arm with the SNR factor minus the defaults without it at GRPO's best rate, on the seeds
+    both ran (another rate or an unpaired seed does not count), with the share of the arm's steps the factor moved;
+    the defaults at the top level, the other arms under ``variants``, the validation runs under ``validation``."""
+    sys.path.insert(0, str(BENCHMARKS))
+    from stability import SNR_ABLATION_ARMS, SNR_ABLATION_WITHOUT, snr_ablation
+
+    def run(method, seed, accuracy, factors, rate=1e-5):
+        return {"method": method, "seed": seed, "learning_rate": rate, "accuracy": accuracy,
+                "traces": {"snr/lr_factor": factors}}
+
+    nan = float("nan")
+    runs = [run("defaults", 0, 0.8, [nan, 1.0, 1.0, 1.5]), run("defaults", 1, 0.6, [1.0, 1.0, 1.0, 1.005]),
+            run("defaults", 2, 0.9, [1.0] * 4),  # no partner without the factor
+            run("defaults", 3, 0.1, [2.0] * 4, rate=1e-4),  # another rate
+            run(SNR_ABLATION_WITHOUT, 0, 0.7, [nan] * 4), run(SNR_ABLATION_WITHOUT, 1, 0.7, [nan] * 4),
+            run(SNR_ABLATION_WITHOUT, 3, 0.9, [nan] * 4, rate=1e-4),
+            run(SNR_ABLATION_ARMS[0], 1, 0.5, [0.5, 0.6, 0.98, 1.0])]
+    validation = [run("defaults", 10, 0.4, [1.0, 1.2]), run(SNR_ABLATION_WITHOUT, 10, 0.3, [nan, nan])]
+    ablation = snr_ablation(runs, validation, "defaults", 1e-5, resamples=200)
+    assert ablation["with"] == "defaults" and ablation["without"] == SNR_ABLATION_WITHOUT and ablation["rate"] == 1e-5
+    assert ablation["seeds"] == [0, 1]
+    assert ablation["difference_mean"] == pytest.approx(((0.8 - 0.7) + (0.6 - 0.7)) / 2)
+    lower, upper = ablation["difference_ci"]
+    assert -0.1 - 1e-6 <= lower <= upper <= 0.1 + 1e-6  # a bootstrap of 2 seeds, float32
+    assert ablation["acting_fraction"] == pytest.approx(1 / 7)  # 1.5 of 7 finite factors; 1.005 is within 1 %
+    variant = ablation["variants"][SNR_ABLATION_ARMS[0]]
+    assert variant["seeds"] == [1] and variant["difference_mean"] == pytest.approx(-0.2)
+    assert variant["acting_fraction"] == pytest.approx(3 / 4)
+    assert ablation["validation"]["defaults"] == {"final_by_seed": {10: 0.4}, "acting_fraction": 0.5}
+    assert ablation["validation"][SNR_ABLATION_WITHOUT]["acting_fraction"] is None
+    assert snr_ablation(runs[:4], [], "defaults", 1e-5, resamples=20) == {}
+
+
 def test_the_grid_reports_the_defaults_from_the_trust_region_runs_that_are_them(tmp_path):
     """Where a method's δ, form, measuring cadence and curvature are OBLRPOConfig's defaults, `oblrpo` in the summary
     is that method's cells (marked as the same runs); where one differs, `oblrpo` is absent, not borrowed."""
