@@ -685,10 +685,9 @@ def snr_ablation_lines(ablation: dict) -> list[str]:
              f"{entry['difference_mean']:+.3f} [{entry['difference_ci'][0]:+.3f}, {entry['difference_ci'][1]:+.3f}]",
              len(entry["seeds"]), "—" if entry["acting_fraction"] is None else f"{entry['acting_fraction']:.2f}"]
             for entry in ([ablation] if "with" in ablation else []) + list(ablation["variants"].values())]
-    lines = ["The SNR factor on and off, the rest of the defaults unchanged (final test accuracy at "
-             f"{ablation['rate']:g}, paired by "
-             f"seed against `{SNR_ABLATION_WITHOUT}`; acted: the share of the arm's steps whose rate the factor moved "
-             "by more than 1 %):\n"]
+    lines = [f"The SNR factor on and off, the rest of the defaults unchanged (final test accuracy at {ablation['rate']:g}, "
+             f"paired by seed against `{SNR_ABLATION_WITHOUT}`; acted: the share of the arm's steps whose rate the "
+             "factor moved by more than 1 %):\n"]
     if rows:
         lines += [markdown_table(["with the factor", "final", "without", "difference [95 % CI]", "seeds", "acted"],
                                  rows), ""]
@@ -880,10 +879,9 @@ def write_summary(args) -> None:
                                         [[rate, f"{cell['final_mean']:.3f}", cell["seeds"],
                                           "—" if cell["of_best_cell"] is None else f"{cell['of_best_cell']:.2f}"]
                                          for rate, cell in details["defaults_range"].items()]), ""]
-        problems = PROBLEMS.get(next((key for key, p in PROBLEMS.items() if p["title"] == details["problems"]), ""))
+        problems = problems_of(runs)
         validation = [json.loads(p.read_text()) for p in sorted(runs_dir.glob("validation-*.json"))]
-        ablation = snr_ablation(runs, validation, defaults_twin(problems), problems["best_rate"],
-                                args.bootstrap) if problems else {}
+        ablation = snr_ablation(runs, validation, defaults_twin(problems), problems["best_rate"], args.bootstrap)
         if ablation:
             results["snr_ablation"] = ablation
             markdown += snr_ablation_lines(ablation)
