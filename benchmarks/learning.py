@@ -147,10 +147,11 @@ def write_splits(splits: dict, folder: Path) -> dict[str, str]:
     return paths
 
 
-def load_split(path: str):
+def load_split(path: str, template: str | None = None):
+    """A split written by `write_splits`, its questions asked as ``template`` says (default: the answer alone)."""
     from oblr_trl.tasks import ARITHMETIC_TEMPLATE, TaskOptions, load_task
 
-    return load_task("local", options=TaskOptions(path=path, prompt_template=ARITHMETIC_TEMPLATE))
+    return load_task("local", options=TaskOptions(path=path, prompt_template=template or ARITHMETIC_TEMPLATE))
 
 
 def run_child(spec: dict) -> dict:
@@ -161,7 +162,7 @@ def run_child(spec: dict) -> dict:
     from oblr_trl.rewards import GRADER_VERSION
     from oblr_trl.training.models import resolve_model
 
-    held_out = load_split(spec["held_out"])
+    held_out = load_split(spec["held_out"], spec.get("template"))
     output_dir = Path(spec["scratch"]) / run_key(spec)
     start = time.perf_counter()
     if spec["method"] == "initial":  # the untrained model: the same for every run, measured once per split
@@ -172,20 +173,26 @@ def run_child(spec: dict) -> dict:
         config = dict(output_dir=str(output_dir), max_steps=spec["steps"], logging_steps=1, save_strategy="no",
                       report_to=[], seed=spec["seed"], data_seed=spec["seed"], disable_tqdm=True,
                       **{**spec["config"], "learning_rate": spec["learning_rate"]})
-        trainer = build_trainer(spec["model"], spec["overrides"], config, None, load_split(spec["train"]))
+        trainer = build_trainer(spec["model"], spec["overrides"], config, None,
+                                load_split(spec["train"], spec.get("template")))
         torch.set_num_threads(spec["threads"])
         trainer.train()
         model, tokenizer = trainer.model, trainer.processing_class
     model.eval()
     completions = generate_completions(model, tokenizer, list(held_out["prompt"]),
                                        max_new_tokens=spec["eval_max_new_tokens"], progress=False)
-    result = {key: spec[key] for key in ("method", "seed", "learning_rate", "split", "problems", "overrides")
-              if key in spec}
+    result = {key: spec[key] for key in ("method", "seed", "learning_rate", "split", "problems", "overrides",
+                                         "template") if key in spec}
     samples, accuracy, _ = grade(held_out, completions)
     # a few graded completions with every run, so that what the accuracy rewards can be read, not only its value
     result.update(accuracy=accuracy, seconds=time.perf_counter() - start, grader=GRADER_VERSION,
+                  median_completion_tokens=median_tokens(tokenizer, completions),
                   samples=[{key: s[key] for key in ("question", "answer", "completions", "correct")}
                            for s in samples[:8]])
+    if spec.get("sample_max_new_tokens"):  # the untrained answers as training samples them (TRL's temperature 1)
+        sampled = generate_completions(model, tokenizer, list(held_out["prompt"]), n=4, temperature=1.0,
+                                       max_new_tokens=spec["sample_max_new_tokens"], progress=False)
+        result["median_sampled_completion_tokens"] = median_tokens(tokenizer, sampled)
     if spec["method"] != "initial":
         logs = [h for h in trainer.state.log_history if "loss" in h]
         result["reward"] = [h["reward"] for h in logs]
@@ -198,6 +205,12 @@ def run_child(spec: dict) -> dict:
         result["lr_trust_region_mode"] = getattr(trainer.args, "lr_trust_region_mode", None)
         result["lr_trust_region_curvature"] = getattr(trainer.args, "lr_trust_region_curvature", None)
     return result
+
+
+def median_tokens(tokenizer, completions: list[list[str]]) -> float:
+    """The median length of the completions in tokens, the unit a step's KL is averaged over (δ is per token)."""
+    return statistics.median(len(tokenizer(text, add_special_tokens=False).input_ids)
+                             for texts in completions for text in texts)
 
 
 def run_key(spec: dict) -> str:

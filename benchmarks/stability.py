@@ -66,6 +66,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from oblr_trl.estimators.snr import CALIBRATION_MIN_T
+from oblr_trl.tasks import BOXED_INSTRUCTION
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import learning  # noqa: E402
@@ -225,6 +226,16 @@ TRANSFER = {"seeds": [0, 1, 2], "steps": 40, "rate_seeds": [10, 11]}
 # own folder, with no transfer of its own
 A_TIMES_B = {**TRANSFERS["a+b"]["problems"], "folder": "stability-products", "grid": [3e-7, 1e-6, 3e-6, 1e-5, 3e-5]}
 PROBLEMS["a×b"] = A_TIMES_B
+# issue 56, item 3: does δ, a per-token KL chosen on answers of 7–16 tokens, keep its meaning on long ones? a + b's
+# problems (the same splits) asked as the math recipes ask them — reason step by step, box the answer — so that the
+# completions run to about a hundred tokens; the reward is the graded answer, with no term for length. GRPO's best rate
+# is screened on validation seeds only (--part validation --methods grpo --rates <rate_screen>), as the products' was
+LONG_COMPLETIONS = 128
+A_PLUS_B_REASONED = {**A_PLUS_B, "title": "a + b, reasoned step by step", "folder": "stability-long",
+                     "template": "What is {question}?\n" + BOXED_INSTRUCTION,
+                     "config": {"max_completion_length": LONG_COMPLETIONS}, "eval_max_new_tokens": LONG_COMPLETIONS,
+                     "rate_screen": [1e-6, 3e-6, 1e-5, 3e-5], "best_rate": None, "grid": None}  # until screened
+PROBLEMS["a+b-reasoned"] = A_PLUS_B_REASONED
 # more prompts a step and a longer run, so that the calibration window resolves
 RESOLVE = {"rate": 3e-5, "seed": 0, "steps": 60, "config": {"per_device_train_batch_size": 16, "num_generations": 4},
            "methods": ["oblrpo-no-trust", "grpo", "oblrpo-two-sided"], "problems": "a±b"}
@@ -391,8 +402,9 @@ def smollm2_specs(args, methods, rates, seeds, steps, *, problems, extra_config=
     paths = learning.write_splits(splits, Path(args.output_dir) / problems["data"])
     base = {"model": args.model, "steps": steps, "train": paths["train"],
             "threads": max(1, (os.cpu_count() or 1) // args.jobs),
-            "eval_max_new_tokens": learning.PRESETS["cpu"]["eval_max_new_tokens"], "split": split,
-            "held_out": paths[split], "scratch": str(Path(tempfile.gettempdir()) / "oblr-trl-stability")}
+            "eval_max_new_tokens": problems.get("eval_max_new_tokens", learning.PRESETS["cpu"]["eval_max_new_tokens"]),
+            "split": split, "held_out": paths[split], "scratch": str(Path(tempfile.gettempdir()) / "oblr-trl-stability"),
+            **({"template": problems["template"]} if "template" in problems else {})}
     specs = []
     for seed in seeds:  # seed-major, so that an interrupted grid has whole seeds for every cell
         for rate in rates:
@@ -400,12 +412,13 @@ def smollm2_specs(args, methods, rates, seeds, steps, *, problems, extra_config=
                 overrides, schedule = SMOLLM2_METHODS[method]
                 if (overrides or {}).get("lr_trust_region_kl") is PROBLEMS_DELTA:
                     overrides = {**overrides, "lr_trust_region_kl": problems["trust_region_kl"]}
-                config = {**learning.PRESETS["cpu"]["config"], **schedule, **(extra_config or {}),
-                          **parse_overrides(args.overrides)}
+                config = {**learning.PRESETS["cpu"]["config"], **problems.get("config", {}), **schedule,
+                          **(extra_config or {}), **parse_overrides(args.overrides)}
                 specs.append({**base, "problems": problems["title"], "method": method + tag, "overrides": overrides,
                               "config": config, "seed": seed, "learning_rate": rate})
     initial = {**base, "problems": problems["title"], "method": "initial", "seed": 0, "learning_rate": 0.0,
-               "split": "test", "held_out": paths["test"]}
+               "split": "test", "held_out": paths["test"],
+               **({"sample_max_new_tokens": problems["config"]["max_completion_length"]} if "config" in problems else {})}
     return specs, initial
 
 
@@ -727,8 +740,16 @@ def cell_table(summary: dict, rates: list[float]) -> str:
                            "collapsed where GRPO did not"], rows)
 
 
-def plot(summary_sets: list[tuple[str, dict, list[float]]], resolve_runs: list[dict], output_dir: Path) -> Path:
-    rows = len(summary_sets) + (1 if resolve_runs else 0)  # a row each: (final, collapse) or (rate used, t)
+def grid_and_legend(*axes) -> None:
+    for axis in axes:
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=6)
+
+
+def plot(summary_sets: list[tuple[str, dict, list[float]]], resolve_runs: list[dict], output_dir: Path,
+         screen_runs: list[dict] = ()) -> Path:
+    # a row each: (final, collapse), (rate used, t) or the rate screen's (validation accuracy, completion length)
+    rows = len(summary_sets) + (1 if resolve_runs else 0) + (1 if screen_runs else 0)
     figure, axes = new_figure(2, (13, 4.6 * rows), rows=rows)
     axes = list(axes.flat)
     for index, (title, summary, rates) in enumerate(summary_sets):
@@ -749,9 +770,7 @@ def plot(summary_sets: list[tuple[str, dict, list[float]]], resolve_runs: list[d
                        title=title)
         collapse_axis.set(xscale="log", xlabel="configured learning rate", ylabel="collapsed fraction of seeds",
                           title=f"{title}: collapse (final < untrained − {COLLAPSE_MARGIN:g})")
-        for axis in (final_axis, collapse_axis):
-            axis.grid(alpha=0.3)
-            axis.legend(fontsize=6)
+        grid_and_legend(final_axis, collapse_axis)
     if resolve_runs:
         rate_axis, t_axis = axes[-2], axes[-1]
         for index, r in enumerate(resolve_runs):
@@ -769,9 +788,22 @@ def plot(summary_sets: list[tuple[str, dict, list[float]]], resolve_runs: list[d
                       title=f"SmolLM2, {completions} completions a step: rate used")
         t_axis.set(xlabel="optimizer step", ylabel="t-statistic of the window's mean ‖μ‖²",
                    title="calibration window: does the signal resolve?")
-        for axis in (rate_axis, t_axis):
-            axis.grid(alpha=0.3)
-            axis.legend(fontsize=6)
+        grid_and_legend(rate_axis, t_axis)
+    if screen_runs:
+        accuracy_axis, length_axis = axes[-4:-2] if resolve_runs else axes[-2:]
+        for index, seed in enumerate(sorted({r["seed"] for r in screen_runs})):
+            mine = sorted((r for r in screen_runs if r["seed"] == seed), key=lambda r: r["learning_rate"])
+            accuracy_axis.plot([r["learning_rate"] for r in mine], [r["accuracy"] for r in mine], marker="o",
+                               color=f"C{index}", label=f"seed {seed}")
+            for r in mine:  # each run's mean sampled length per step: do the answers shorten as it learns?
+                lengths = r["traces"]["completions/mean_length"]
+                length_axis.plot(range(1, len(lengths) + 1), lengths, color=f"C{index}", alpha=0.7,
+                                 label=f"seed {seed}, lr {r['learning_rate']:g}")
+        accuracy_axis.set(xscale="log", xlabel="configured learning rate", ylabel="final validation accuracy",
+                          title=f"{REFERENCE}'s rate screen (validation seeds and split)")
+        length_axis.set(xlabel="optimizer step", ylabel="mean sampled completion length (tokens)",
+                        title="how long the answers are while training")
+        grid_and_legend(accuracy_axis, length_axis)
     return save_figure(figure, output_dir, "summary")
 
 
@@ -890,27 +922,25 @@ def write_summary(args) -> None:
                          markdown_table(["method @ rate", "seed: final"],
                                         [[cell, ", ".join(f"{seed}: {acc:.3f}" for seed, acc in finals.items())]
                                          for cell, finals in details["beyond_grid"].items()]), ""]
+    # a long-completion task: how long its answers are, and the screen that chooses GRPO's best rate, before any grid
+    own = problems_of(runs) if runs else PROBLEMS[args.problems]
+    if "template" in own and runs:
+        results.update(completion_lengths(runs))
+        markdown += completion_length_lines(results)
+    screen = [json.loads(p.read_text()) for p in sorted(runs_dir.glob(f"validation-{REFERENCE}-*.json"))]
+    if "rate_screen" in own and screen:
+        results["rate_screen"], lines = rate_screen(screen, own)
+        markdown += lines
     # the transfer of this folder's grid (each grid has its own folder); --problems where no grid has run yet
     source = next((key for key, p in PROBLEMS.items() if grid is not None and p["title"] == grid[1]["problems"]),
                   args.problems)
     transfer = TRANSFERS.get(source)  # a grid with a transfer of its own
     if transfer is not None:
         task, delta = transfer["problems"], PROBLEMS[source]["trust_region_kl"]
-        screen = sorted((json.loads(p.read_text()) for p in (runs_dir / transfer["runs"]).glob("validation-*.json")),
-                        key=lambda r: (r["learning_rate"], r["seed"]))
+        screen = [json.loads(p.read_text()) for p in (runs_dir / transfer["runs"]).glob("validation-*.json")]
         if screen:
-            by_rate = {}
-            for r in screen:
-                by_rate.setdefault(r["learning_rate"], []).append(r)
-            results["transfer_rate_screen"] = {f"{rate:g}": {r["seed"]: r["accuracy"] for r in runs}
-                                               for rate, runs in by_rate.items()}
-            seeds = sorted({r["seed"] for r in screen})
-            markdown += [f"## GRPO's best rate on {task['title']} (validation seeds {seeds}, "
-                         f"validation split; chosen: {task['best_rate']:g})\n",
-                         markdown_table(["lr", "seed: final validation acc.", "mean"],
-                                        [[rate, ", ".join(f"{r['seed']}: {r['accuracy']:.3f}" for r in runs),
-                                          statistics.fmean(r["accuracy"] for r in runs)]
-                                         for rate, runs in by_rate.items()]), ""]
+            results["transfer_rate_screen"], lines = rate_screen(screen, task)
+            markdown += lines
         transfer_runs = cached_runs(runs_dir / transfer["runs"])
         transfer_grid = smollm2_grid(transfer_runs, args.bootstrap, problems=task)
         if transfer_grid is not None:
@@ -1012,12 +1042,13 @@ def write_summary(args) -> None:
         markdown += [f"## Synthetic testbed ({len(data['seeds'])} paired seeds, {data['task']['steps']} steps; "
                      "methods without a suffix use TRL's linear schedule, `-constant` a constant rate)\n",
                      synthetic_defaults_line(), cell_table(summary, data["rates"]), ""]
-    if not sets and not resolve_runs:
+    if not sets and not resolve_runs and not results:
         raise SystemExit("nothing has been run yet: run --part synthetic, smollm2 or resolve first")
-    figure = plot(sets, resolve_runs, output_dir)
+    screen_runs = screen if "rate_screen" in own else []
+    figure = plot(sets, resolve_runs, output_dir, screen_runs) if sets or resolve_runs or screen_runs else None
     write_results(output_dir, "summary", results, "\n".join(markdown))
     print("\n".join(markdown))
-    print(f"wrote {output_dir / 'summary.json'} and {figure}")
+    print(f"wrote {output_dir / 'summary.json'}" + (f" and {figure}" if figure else " (nothing to plot yet)"))
 
 
 def synthetic_defaults_line() -> str:
@@ -1033,6 +1064,54 @@ def synthetic_defaults_line() -> str:
     return (f"Here `oblrpo` is OBLR-PO's defaults without the trust region (before 2026-11-26); today's defaults "
             f"(δ = {defaults[0]:g}, {defaults[1]}) are " + (f"`{twin}`" if twin else "none of the testbed's methods")
             + ".\n")
+
+
+def rate_screen(screen: list[dict], problems: dict) -> tuple[dict, list[str]]:
+    """GRPO's final validation accuracy per rate and seed (the runs that choose ``problems``' best rate), and the
+    summary's lines for it."""
+    by_rate: dict[float, list[dict]] = {}
+    for r in sorted(screen, key=lambda r: (r["learning_rate"], r["seed"])):
+        by_rate.setdefault(r["learning_rate"], []).append(r)
+    seeds = sorted({r["seed"] for r in screen})
+    chosen = f"chosen: {problems['best_rate']:g}" if problems.get("best_rate") else "none chosen yet"
+    lines = [f"## GRPO's best rate on {problems['title']} (validation seeds {seeds}, validation split; {chosen})\n",
+             markdown_table(["lr", "seed: final validation acc.", "mean"],
+                            [[rate, ", ".join(f"{r['seed']}: {r['accuracy']:.3f}" for r in runs),
+                              statistics.fmean(r["accuracy"] for r in runs)] for rate, runs in by_rate.items()]), ""]
+    return {f"{rate:g}": {r["seed"]: r["accuracy"] for r in runs} for rate, runs in by_rate.items()}, lines
+
+
+def completion_lengths(runs: list[dict]) -> dict:
+    """How long the answers of a long-completion task are, in tokens: the untrained model's (sampled as training
+    samples them, the answers a step's KL averages over, and greedy, as evaluated), and per method and rate the mean
+    over runs of the last step's mean sampled length and of the trained model's greedy median."""
+    initial = next(r for r in runs if r["method"] == "initial")
+    trained = [r for r in runs if r["method"] != "initial" and "median_completion_tokens" in r]
+    end: dict[str, dict[str, dict]] = {}
+    for r in trained:
+        cell = end.setdefault(r["method"], {}).setdefault(f"{r['learning_rate']:g}", {"sampled": [], "greedy": []})
+        cell["sampled"].append(r["traces"]["completions/mean_length"][-1])
+        cell["greedy"].append(r["median_completion_tokens"])
+    return {"median_completion_tokens": initial.get("median_sampled_completion_tokens"),
+            "median_completion_tokens_greedy": initial.get("median_completion_tokens"),
+            "completion_tokens_at_end": {method: {rate: {"sampled_mean": statistics.fmean(c["sampled"]),
+                                                         "greedy_median": statistics.fmean(c["greedy"]),
+                                                         "runs": len(c["sampled"])}
+                                                  for rate, c in by_rate.items()}
+                                         for method, by_rate in end.items()}}
+
+
+def completion_length_lines(lengths: dict) -> list[str]:
+    rows = [[method, rate, f"{c['sampled_mean']:.1f}", f"{c['greedy_median']:.1f}", c["runs"]]
+            for method, by_rate in lengths["completion_tokens_at_end"].items() for rate, c in by_rate.items()]
+    untrained = (f"Completion length in tokens (δ is per token): the untrained model's median "
+                 f"{lengths['median_completion_tokens']} sampled as training samples (temperature 1, at most "
+                 f"{LONG_COMPLETIONS}), {lengths['median_completion_tokens_greedy']} greedy on the test problems")
+    if not rows:
+        return [untrained + "; no test run has trained yet.\n"]
+    return [untrained + "; after training:\n",
+            markdown_table(["method", "lr", "last step's mean sampled length", "greedy median (test)", "runs"], rows),
+            ""]
 
 
 def resolve_tag() -> str:

@@ -677,6 +677,64 @@ def test_each_problem_set_has_its_own_results_folder_and_a_plus_b_decides():
         parse_args(["--part", "transfer", "--problems", "a×b"])
 
 
+def test_the_long_completion_task_asks_for_reasoning_and_reports_how_long_the_answers_are(tmp_path):
+    """Issue 56, item 3: a + b's problems asked as the math recipes ask (reason step by step, box the answer) with room
+    for long answers, in a folder of their own; the other problem sets keep the bare question and 16 tokens. The
+    summary reports the untrained model's median length (sampled and greedy) and each cell's length at the end."""
+    sys.path.insert(0, str(BENCHMARKS))
+    from learning import load_split, problem_splits, write_splits
+    from stability import (A_PLUS_B, A_PLUS_B_REASONED, LONG_COMPLETIONS, completion_length_lines, completion_lengths,
+                           parse_args, rate_screen, smollm2_specs)
+
+    args = parse_args(["--part", "validation", "--problems", "a+b-reasoned", "--eval_problems", "4",
+                       "--output_dir", str(tmp_path)])
+    assert parse_args(["--part", "smollm2", "--problems", "a+b-reasoned"]).output_dir == str(
+        BENCHMARKS / "results" / "stability-long")
+    specs, initial = smollm2_specs(args, ["grpo"], [1e-6], [10], 40, problems=A_PLUS_B_REASONED, split="validation")
+    spec = specs[0]
+    assert "step by step" in spec["template"] and "\\boxed{}" in spec["template"]
+    assert spec["config"]["max_completion_length"] == spec["eval_max_new_tokens"] == LONG_COMPLETIONS >= 64
+    assert initial["sample_max_new_tokens"] == LONG_COMPLETIONS and initial["template"] == spec["template"]
+    plain, plain_initial = smollm2_specs(args, ["grpo"], [1e-6], [10], 40, problems=A_PLUS_B, split="validation")
+    assert "template" not in plain[0] and "sample_max_new_tokens" not in plain_initial
+    assert plain[0]["config"]["max_completion_length"] == plain[0]["eval_max_new_tokens"] == 16
+    rows = write_splits(problem_splits(4, 4, operators="+"), tmp_path / "data")
+    asked = load_split(rows["test"], spec["template"])[0]["prompt"][0]["content"]
+    bare = load_split(rows["test"])[0]["prompt"][0]["content"]
+    assert asked.startswith("What is ") and "step by step" in asked and "step by step" not in bare
+
+    def trained(method, rate, seed, last_mean_length, greedy):
+        return {"method": method, "learning_rate": rate, "seed": seed, "accuracy": 0.5,
+                "median_completion_tokens": greedy, "traces": {"completions/mean_length": [120.0, last_mean_length]}}
+
+    runs = [{"method": "initial", "median_completion_tokens": 41, "median_sampled_completion_tokens": 126},
+            trained("grpo", 1e-6, 0, 100.0, 40), trained("grpo", 1e-6, 1, 60.0, 20), trained("oblrpo", 1e-5, 0, 30.0, 9)]
+    lengths = completion_lengths(runs)
+    assert lengths["median_completion_tokens"] == 126 and lengths["median_completion_tokens_greedy"] == 41
+    assert lengths["completion_tokens_at_end"]["grpo"]["1e-06"] == {"sampled_mean": 80.0, "greedy_median": 30.0,
+                                                                     "runs": 2}
+    assert lengths["completion_tokens_at_end"]["oblrpo"]["1e-05"]["runs"] == 1
+    assert "median 126 sampled" in "\n".join(completion_length_lines(lengths))
+    screen, lines = rate_screen([{"learning_rate": 1e-6, "seed": 11, "accuracy": 0.4},
+                                 {"learning_rate": 1e-6, "seed": 10, "accuracy": 0.2},
+                                 {"learning_rate": 3e-6, "seed": 10, "accuracy": 0.5}], A_PLUS_B_REASONED)
+    assert screen == {"1e-06": {10: 0.2, 11: 0.4}, "3e-06": {10: 0.5}}
+    assert "validation seeds [10, 11]" in lines[0] and "| 1e-06 | 10: 0.200, 11: 0.400 | 0.3" in lines[1]
+
+
+def test_stability_long_completion_screen_smoke(saved_tiny_model, tmp_path):
+    """The long-completion task end to end at a tiny size: GRPO's rate screen on a validation seed, the untrained
+    model's sampled and greedy lengths in the summary, the prompt template each run was asked with on record."""
+    run("stability.py", "--part", "validation", "--problems", "a+b-reasoned", "--model", str(saved_tiny_model),
+        "--methods", "grpo", "--rates", "1e-4", "--seeds", "10", "--steps", "1", "--eval_problems", "4",
+        "--bootstrap", "50", "--output_dir", str(tmp_path))
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert list(summary["rate_screen"]) == ["0.0001"] and list(summary["rate_screen"]["0.0001"]) == ["10"]
+    assert 0 < summary["median_completion_tokens"] <= 128 and 0 < summary["median_completion_tokens_greedy"] <= 128
+    screened = json.loads((tmp_path / "runs" / "validation-grpo-lr0.0001-seed10.json").read_text())
+    assert "step by step" in screened["template"] and screened["median_completion_tokens"] > 0
+
+
 def test_stability_smoke(saved_tiny_model, tmp_path):
     """Both parts at a tiny size: the cells, the regret paired with grpo, and a resumed grid that repeats no run."""
     run("stability.py", "--part", "synthetic", "--methods", "grpo", "oblrpo", "--test_seeds", "3", "--steps", "4",
