@@ -49,6 +49,8 @@ Seven parts, each resumable and each writing into the one summary:
     python benchmarks/stability.py --part transfer       # 9 runs on a × b and the untrained model; resumes
     python benchmarks/stability.py --part smollm2 --problems a±b   # the a ± b grid (results/stability-a-pm-b/)
     python benchmarks/stability.py --part smollm2 --problems a×b   # the products' grid (results/stability-products/)
+    python benchmarks/stability.py --part validation --problems a+b-reasoned --methods grpo   # long answers: GRPO's
+                                                                 # rate screen (results/stability-long/)
     python benchmarks/stability.py --part resolve        # 3 longer runs on a ± b (16 completions × 60 steps); resumes
     python benchmarks/stability.py --part summary        # rewrite the summary from what has been run
 """
@@ -229,12 +231,13 @@ PROBLEMS["a×b"] = A_TIMES_B
 # issue 56, item 3: does δ, a per-token KL chosen on answers of 7–16 tokens, keep its meaning on long ones? a + b's
 # problems (the same splits) asked as the math recipes ask them — reason step by step, box the answer — so that the
 # completions run to about a hundred tokens; the reward is the graded answer, with no term for length. GRPO's best rate
-# is screened on validation seeds only (--part validation --methods grpo --rates <rate_screen>), as the products' was
+# is screened on validation seeds only (--part validation --methods grpo: the rates of `rate_screen`), as the
+# products' was; 1e-4 joined the screen once 3e-5, its top rate then, led on seed 10 (0.650 against 0.617 at 1e-5)
 LONG_COMPLETIONS = 128
 A_PLUS_B_REASONED = {**A_PLUS_B, "title": "a + b, reasoned step by step", "folder": "stability-long",
                      "template": "What is {question}?\n" + BOXED_INSTRUCTION,
                      "config": {"max_completion_length": LONG_COMPLETIONS}, "eval_max_new_tokens": LONG_COMPLETIONS,
-                     "rate_screen": [1e-6, 3e-6, 1e-5, 3e-5], "best_rate": None, "grid": None}  # until screened
+                     "rate_screen": [1e-6, 3e-6, 1e-5, 3e-5, 1e-4], "best_rate": None, "grid": None}  # until screened
 PROBLEMS["a+b-reasoned"] = A_PLUS_B_REASONED
 # more prompts a step and a longer run, so that the calibration window resolves
 RESOLVE = {"rate": 3e-5, "seed": 0, "steps": 60, "config": {"per_device_train_batch_size": 16, "num_generations": 4},
@@ -271,6 +274,9 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if args.part in ("transfer", "transfer-rate") and args.problems not in TRANSFERS:
         parser.error(f"--problems {args.problems} has no transfer task (those with one: {', '.join(TRANSFERS)})")
+    if args.part == "smollm2" and PROBLEMS[args.problems]["grid"] is None and not args.rates:
+        parser.error(f"--problems {args.problems} has no grid until GRPO's best rate is screened (--part validation "
+                     "--methods grpo); give --rates")
     if args.output_dir is None:
         problems = RESOLVE["problems"] if args.part == "resolve" else args.problems
         args.output_dir = str(RESULTS / PROBLEMS[problems]["folder"])
@@ -791,14 +797,16 @@ def plot(summary_sets: list[tuple[str, dict, list[float]]], resolve_runs: list[d
         grid_and_legend(rate_axis, t_axis)
     if screen_runs:
         accuracy_axis, length_axis = axes[-4:-2] if resolve_runs else axes[-2:]
+        rates = sorted({r["learning_rate"] for r in screen_runs})
         for index, seed in enumerate(sorted({r["seed"] for r in screen_runs})):
             mine = sorted((r for r in screen_runs if r["seed"] == seed), key=lambda r: r["learning_rate"])
+            style = ["-", "--", ":", "-."][index % 4]  # one per seed in both panels, a colour per rate on the right
             accuracy_axis.plot([r["learning_rate"] for r in mine], [r["accuracy"] for r in mine], marker="o",
-                               color=f"C{index}", label=f"seed {seed}")
+                               color="black", linestyle=style, label=f"seed {seed}")
             for r in mine:  # each run's mean sampled length per step: do the answers shorten as it learns?
                 lengths = r["traces"]["completions/mean_length"]
-                length_axis.plot(range(1, len(lengths) + 1), lengths, color=f"C{index}", alpha=0.7,
-                                 label=f"seed {seed}, lr {r['learning_rate']:g}")
+                length_axis.plot(range(1, len(lengths) + 1), lengths, color=f"C{rates.index(r['learning_rate'])}",
+                                 linestyle=style, label=f"seed {seed}, lr {r['learning_rate']:g}")
         accuracy_axis.set(xscale="log", xlabel="configured learning rate", ylabel="final validation accuracy",
                           title=f"{REFERENCE}'s rate screen (validation seeds and split)")
         length_axis.set(xlabel="optimizer step", ylabel="mean sampled completion length (tokens)",
@@ -1145,8 +1153,10 @@ def main(argv=None) -> int:
                                            args.seeds or DELTA["seeds"], args.steps or DELTA["steps"], split="validation",
                                            problems=PROBLEMS[args.problems])
         elif args.part == "validation":  # any methods, on validation seeds and the validation split (choosing)
+            problems = PROBLEMS[args.problems]  # at GRPO's best rate, or over the screen before one is chosen
             specs, initial = smollm2_specs(args, args.methods or [DELTA["method"]],
-                                           args.rates or [PROBLEMS[args.problems]["best_rate"]],
+                                           args.rates or ([problems["best_rate"]] if problems["best_rate"]
+                                                          else problems["rate_screen"]),
                                            args.seeds or DELTA["seeds"], args.steps or DELTA["steps"], split="validation",
                                            problems=PROBLEMS[args.problems])
         elif args.part == "transfer":  # its own folder: the untrained model and the cells are another task's

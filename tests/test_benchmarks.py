@@ -688,8 +688,12 @@ def test_the_long_completion_task_asks_for_reasoning_and_reports_how_long_the_an
 
     args = parse_args(["--part", "validation", "--problems", "a+b-reasoned", "--eval_problems", "4",
                        "--output_dir", str(tmp_path)])
-    assert parse_args(["--part", "smollm2", "--problems", "a+b-reasoned"]).output_dir == str(
+    assert parse_args(["--part", "smollm2", "--problems", "a+b-reasoned", "--rates", "1e-6"]).output_dir == str(
         BENCHMARKS / "results" / "stability-long")
+    if A_PLUS_B_REASONED["grid"] is None:  # before the screen chooses GRPO's best rate, a grid needs its rates given
+        with pytest.raises(SystemExit):
+            parse_args(["--part", "smollm2", "--problems", "a+b-reasoned"])
+        assert args.part == "validation" and A_PLUS_B_REASONED["best_rate"] is None
     specs, initial = smollm2_specs(args, ["grpo"], [1e-6], [10], 40, problems=A_PLUS_B_REASONED, split="validation")
     spec = specs[0]
     assert "step by step" in spec["template"] and "\\boxed{}" in spec["template"]
