@@ -883,6 +883,7 @@ def write_summary(args) -> None:
     runs = cached_runs(runs_dir)  # none where the folder is not
     resolve_runs = sorted((r for r in runs if r["method"].endswith(resolve_tag())),
                           key=lambda r: (r["learning_rate"], r["method"]))
+    problems = problems_of(runs) if runs else PROBLEMS[args.problems]  # the folder's, before any grid too
     grid = smollm2_grid(runs, args.bootstrap)
     if grid is not None:
         summary, details = grid
@@ -919,7 +920,6 @@ def write_summary(args) -> None:
                                         [[rate, f"{cell['final_mean']:.3f}", cell["seeds"],
                                           "—" if cell["of_best_cell"] is None else f"{cell['of_best_cell']:.2f}"]
                                          for rate, cell in details["defaults_range"].items()]), ""]
-        problems = problems_of(runs)
         validation = [json.loads(p.read_text()) for p in sorted(runs_dir.glob("validation-*.json"))]
         ablation = snr_ablation(runs, validation, defaults_twin(problems), problems["best_rate"], args.bootstrap)
         if ablation:
@@ -931,13 +931,13 @@ def write_summary(args) -> None:
                                         [[cell, ", ".join(f"{seed}: {acc:.3f}" for seed, acc in finals.items())]
                                          for cell, finals in details["beyond_grid"].items()]), ""]
     # a long-completion task: how long its answers are, and the screen that chooses GRPO's best rate, before any grid
-    own = problems_of(runs) if runs else PROBLEMS[args.problems]
-    if "template" in own and runs:
+    if "template" in problems and runs:
         results.update(completion_lengths(runs))
         markdown += completion_length_lines(results)
-    screen = [json.loads(p.read_text()) for p in sorted(runs_dir.glob(f"validation-{REFERENCE}-*.json"))]
-    if "rate_screen" in own and screen:
-        results["rate_screen"], lines = rate_screen(screen, own)
+    screen_runs = ([json.loads(p.read_text()) for p in sorted(runs_dir.glob(f"validation-{REFERENCE}-*.json"))]
+                   if "rate_screen" in problems else [])
+    if screen_runs:
+        results["rate_screen"], lines = rate_screen(screen_runs, problems)
         markdown += lines
     # the transfer of this folder's grid (each grid has its own folder); --problems where no grid has run yet
     source = next((key for key, p in PROBLEMS.items() if grid is not None and p["title"] == grid[1]["problems"]),
@@ -1052,7 +1052,6 @@ def write_summary(args) -> None:
                      synthetic_defaults_line(), cell_table(summary, data["rates"]), ""]
     if not sets and not resolve_runs and not results:
         raise SystemExit("nothing has been run yet: run --part synthetic, smollm2 or resolve first")
-    screen_runs = screen if "rate_screen" in own else []
     figure = plot(sets, resolve_runs, output_dir, screen_runs) if sets or resolve_runs or screen_runs else None
     write_results(output_dir, "summary", results, "\n".join(markdown))
     print("\n".join(markdown))
