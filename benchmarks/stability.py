@@ -156,9 +156,9 @@ SMOLLM2_METHODS["oblrpo-trust-peak-every1"] = (
 # the peak form per update at the δ the validation runs give for it (the median of their per-step KL scaled to the
 # schedule's peak, `trust_region_delta` in the summary: 4.9e-3 on a + b, rounded), not the cap's 90th percentile: the
 # defaults since 2026-11-29 (`defaults_twin`)
-PEAK_DELTA_METHOD = "oblrpo-trust-peak-update-every16-kl0.005"
+PEAK_DELTA, PEAK_DELTA_METHOD = 0.005, "oblrpo-trust-peak-update-every16-kl0.005"
 SMOLLM2_METHODS[PEAK_DELTA_METHOD] = (
-    {"lr_trust_region_kl": 0.005, "lr_trust_region_mode": "peak", "lr_trust_region_measure_steps": 16,
+    {"lr_trust_region_kl": PEAK_DELTA, "lr_trust_region_mode": "peak", "lr_trust_region_measure_steps": 16,
      "lr_trust_region_curvature": "per_update"}, TRL_SCHEDULE)
 # issue 56, item 4: the defaults without the SNR factor (the ablation's other arm), and with a calibrated factor that
 # can act on most of a 40-step run: the window of 20 steps resolves on few of them (its mean ‖μ‖² estimate rarely
@@ -231,13 +231,16 @@ PROBLEMS["a×b"] = A_TIMES_B
 # issue 56, item 3: does δ, a per-token KL chosen on answers of 7–16 tokens, keep its meaning on long ones? a + b's
 # problems (the same splits) asked as the math recipes ask them — reason step by step, box the answer — so that the
 # completions run to about a hundred tokens; the reward is the graded answer, with no term for length. GRPO's best rate
-# is screened on validation seeds only (--part validation --methods grpo: the rates of `rate_screen`), as the
-# products' was; 1e-4 joined the screen once 3e-5, its top rate then, led on seed 10 (0.650 against 0.617 at 1e-5)
+# is screened on validation seeds only (--part validation --methods grpo: the rates of `rate_screen`, seeds 10, 11), as
+# the products' was: 3e-5 (mean validation accuracy 0.733; 0.450 at 1e-6, 0.508 at 3e-6, 0.633 at 1e-5, 0.100 at
+# 1e-4, where both seeds collapsed). Its grid is issue 56's: TRL's 1e-6, GRPO's best rate and 10× it, GRPO and the
+# defaults with a + b's δ unchanged
 LONG_COMPLETIONS = 128
 A_PLUS_B_REASONED = {**A_PLUS_B, "title": "a + b, reasoned step by step", "folder": "stability-long",
                      "template": "What is {question}?\n" + BOXED_INSTRUCTION,
                      "config": {"max_completion_length": LONG_COMPLETIONS}, "eval_max_new_tokens": LONG_COMPLETIONS,
-                     "rate_screen": [1e-6, 3e-6, 1e-5, 3e-5, 1e-4], "best_rate": None, "grid": None}  # until screened
+                     "rate_screen": [1e-6, 3e-6, 1e-5, 3e-5, 1e-4], "best_rate": 3e-5, "grid": [1e-6, 3e-5, 3e-4],
+                     "methods": [REFERENCE, PEAK_DELTA_METHOD], "delta_of": A_PLUS_B["title"]}
 PROBLEMS["a+b-reasoned"] = A_PLUS_B_REASONED
 # more prompts a step and a longer run, so that the calibration window resolves
 RESOLVE = {"rate": 3e-5, "seed": 0, "steps": 60, "config": {"per_device_train_batch_size": 16, "num_generations": 4},
@@ -436,6 +439,12 @@ def smollm2_cells(runs: list[dict], initial_accuracy: float) -> dict:
             {"seed": r["seed"], "final": r["accuracy"], "auc": learning.auc(r), "initial": initial_accuracy,
              "factor_min": min(factors), "factor_max": max(factors)})
     return cells
+
+
+def validation_rates(problems: dict) -> list[float]:
+    """The rates `--part validation` runs by default: GRPO's best rate on ``problems``, or the rates of their screen
+    while no best rate is chosen."""
+    return [problems["best_rate"]] if problems["best_rate"] else problems["rate_screen"]
 
 
 def problems_of(runs: list[dict]) -> dict:
@@ -994,28 +1003,45 @@ def write_summary(args) -> None:
         kls = [kl for r in delta_runs for kl in r["traces"]["oblr/step_kl"] if math.isfinite(kl)]
         quartiles, deciles = statistics.quantiles(kls, n=4), statistics.quantiles(kls, n=10)
         problems = problems_of(delta_runs)
-        # the peak form aims δ at the schedule's peak and (per update) lands there: the KL each gradient step of the
-        # best rate would have moved at the peak rate, KL·(η_peak/η)², is what a δ for it reads off these runs
-        at_peak = [kl * (r["learning_rate"] / lr) ** 2 for r in delta_runs
-                   for kl, lr, grad in zip(r["traces"]["oblr/step_kl"], r["traces"]["learning_rate"],
-                                           r["traces"]["grad_norm"], strict=True)
-                   if math.isfinite(kl) and lr > 0 and grad != 0]
+        at_peak = [kl for kl, _ in steps_at_peak(delta_runs)]
         peak_quartiles = (statistics.quantiles(at_peak, n=4) if len(at_peak) > 1 else at_peak * 3) or [math.nan] * 3
+        # the KL of a whole completion, per token × the step's mean completion length (runs that logged it)
+        per_sequence = [kl * length for r in delta_runs
+                        for kl, length in zip(r["traces"]["oblr/step_kl"],
+                                              r["traces"].get("completions/mean_length", []), strict=False)
+                        if math.isfinite(kl)]
+        kept = problems.get("delta_of")  # a task that tests another's δ chooses none of its own
         results["trust_region_delta"] = {"seeds": [r["seed"] for r in delta_runs],
                                          "rate": delta_runs[0]["learning_rate"], "split": "validation",
                                          "step_kl_quartiles": quartiles, "step_kl_90th_percentile": deciles[-1],
-                                         "chosen": problems["trust_region_kl"],
+                                         "chosen": None if kept else problems["trust_region_kl"],
                                          "step_kl_at_peak_quartiles": peak_quartiles}
+        if kept:
+            results["trust_region_delta"]["delta_of"] = kept
+        if len(per_sequence) > 1:
+            results["trust_region_delta"]["step_kl_per_sequence_quartiles"] = statistics.quantiles(per_sequence, n=4)
+        chosen = (f"δ is not chosen here: the task keeps {kept}'s (the defaults' {PEAK_DELTA:g} at the peak), and "
+                  "these figures say what the same rule would read off its steps" if kept else
+                  f"Chosen δ = {problems['trust_region_kl']:g} (the 90th percentile, rounded: the largest steps the "
+                  "best rate takes while it learns)")
+        sequence_line = ("" if len(per_sequence) < 2 else
+                         "Per completion (KL per token × the step's mean completion length): quartiles " +
+                         " / ".join(f"{q:.2e}" for q in results["trust_region_delta"]["step_kl_per_sequence_quartiles"])
+                         + ". ")
+        if kept:
+            units, unit_lines = delta_units(problems, delta_runs)
+            results["trust_region_delta"]["units"] = units
         markdown += [f"## Choosing δ of the trust region (validation seeds {[r['seed'] for r in delta_runs]}, the "
                      f"defaults at GRPO's best rate {delta_runs[0]['learning_rate']:g}, validation split)\n",
-                     f"Per-step KL(π_t ‖ π_t+1) over {len(kls)} steps: quartiles {quartiles[0]:.2e} / "
-                     f"{quartiles[1]:.2e} / {quartiles[2]:.2e}, 90th percentile {deciles[-1]:.2e}. Chosen δ = "
-                     f"{problems['trust_region_kl']:g} (the 90th percentile, rounded: the largest steps the best rate "
-                     "takes while it learns).\n",
+                     f"Per-step KL(π_t ‖ π_t+1) per token over {len(kls)} steps: quartiles {quartiles[0]:.2e} / "
+                     f"{quartiles[1]:.2e} / {quartiles[2]:.2e}, 90th percentile {deciles[-1]:.2e}. {sequence_line}"
+                     f"{chosen}.\n",
                      f"Scaled to the schedule's peak, KL·(η_peak/η)² over the {len(at_peak)} steps with a gradient: "
                      f"quartiles {peak_quartiles[0]:.2e} / {peak_quartiles[1]:.2e} / {peak_quartiles[2]:.2e} — the "
                      "median is the δ a peak form whose steps land on their aim reads off these runs "
                      f"(`{PEAK_DELTA_METHOD}`).\n", ""]
+        if kept:
+            markdown += unit_lines
         trust_runs = [r for r in runs if r["method"] in [*RATE_FOLLOWERS, "oblrpo-paper"]]
         if trust_runs:
             rows = [[r["method"], r["learning_rate"], r["seed"], r["accuracy"], learning.auc(r),
@@ -1071,6 +1097,62 @@ def synthetic_defaults_line() -> str:
     return (f"Here `oblrpo` is OBLR-PO's defaults without the trust region (before 2026-11-26); today's defaults "
             f"(δ = {defaults[0]:g}, {defaults[1]}) are " + (f"`{twin}`" if twin else "none of the testbed's methods")
             + ".\n")
+
+
+def steps_at_peak(delta_runs: list[dict]) -> list[tuple[float, float]]:
+    """Each gradient step of runs without a trust region (`DELTA`): its KL per token scaled to the schedule's peak,
+    KL·(η_peak/η)², and the step's mean completion length (NaN where the run did not log it). The peak form aims δ
+    at the peak and (per update) lands there, so the first is what a δ for it reads off the runs."""
+    steps = []
+    for r in delta_runs:
+        traces = r["traces"]
+        lengths = traces.get("completions/mean_length") or [math.nan] * len(traces["oblr/step_kl"])
+        steps += [(kl * (r["learning_rate"] / lr) ** 2, length)
+                  for kl, lr, grad, length in zip(traces["oblr/step_kl"], traces["learning_rate"], traces["grad_norm"],
+                                                  lengths, strict=True)
+                  if math.isfinite(kl) and lr > 0 and grad != 0]
+    return steps
+
+
+def median_completion_length(runs: list[dict]) -> float:
+    """The median over the runs' steps of the step's mean completion length (runs that log it)."""
+    return statistics.median(length for r in runs for length in r["traces"].get("completions/mean_length", []))
+
+
+def delta_units(problems: dict, delta_runs: list[dict]) -> tuple[dict, list[str]]:
+    """Where each unit of δ puts the peak form's rate on ``problems`` and on the task whose δ they keep
+    (``problems["delta_of"]``), as a multiple of GRPO's best rate there, from each task's `DELTA` runs at that rate:
+    per token, η̂/η_best = √(δ / m) with m the median KL per token at the peak (`steps_at_peak`); per completion,
+    δ·L_src for the source's median answer length L_src, against the median of KL·L (L: the step's mean length). The
+    unit whose multiple stays put across tasks keeps its meaning; δ is the defaults' peak δ, chosen on the source."""
+    source = next(p for p in PROBLEMS.values() if p["title"] == problems["delta_of"])
+    source_runs = [json.loads(p.read_text()) for p in
+                   sorted((RESULTS / source["folder"] / "runs").glob(f"validation-{DELTA['method']}-*.json"))]
+    # the source's δ runs may predate the length trace: its answers' length is then read off its validation runs
+    # at the same rate that log it
+    rate_runs = [json.loads(p.read_text()) for p in sorted((RESULTS / source["folder"] / "runs").glob(
+        f"validation-*-lr{source['best_rate']:g}-seed*.json"))]
+    source_length = median_completion_length([r for r in rate_runs if "completions/mean_length" in r["traces"]])
+    units, rows = {}, []
+    for task, runs in ((source, source_runs), (problems, delta_runs)):
+        steps = steps_at_peak(runs)
+        lengths = [length if math.isfinite(length) else source_length for _, length in steps]
+        token_median = statistics.median(kl for kl, _ in steps)
+        sequence_median = statistics.median(kl * length for (kl, _), length in zip(steps, lengths, strict=True))
+        units[task["title"]] = {
+            "best_rate": runs[0]["learning_rate"], "median_completion_length": statistics.median(lengths),
+            "step_kl_at_peak_median": token_median, "per_token": math.sqrt(PEAK_DELTA / token_median),
+            "per_completion": math.sqrt(PEAK_DELTA * source_length / sequence_median), "steps": len(steps)}
+        unit = units[task["title"]]
+        rows.append([task["title"], f"{unit['best_rate']:g}", f"{unit['median_completion_length']:.1f}",
+                     f"{token_median:.2e}", f"{unit['per_token']:.2f}×", f"{unit['per_completion']:.2f}×"])
+    lines = [f"Where each unit of δ puts the peak form's rate, as a multiple of GRPO's best rate on each task (δ = "
+             f"{PEAK_DELTA:g} per token, or {PEAK_DELTA:g} × {source_length:.1f} = {PEAK_DELTA * source_length:.3g} "
+             f"per completion, {source['title']}'s median answer length; from each task's runs without a trust "
+             "region at GRPO's best rate, validation seeds):\n",
+             markdown_table(["task", "GRPO's best rate", "median length", "median KL per token at the peak",
+                             "η̂ ÷ best, δ per token", "η̂ ÷ best, δ per completion"], rows), ""]
+    return units, lines
 
 
 def rate_screen(screen: list[dict], problems: dict) -> tuple[dict, list[str]]:
@@ -1142,7 +1224,8 @@ def main(argv=None) -> int:
     elif args.part in ("smollm2", "resolve", "delta", "validation", "transfer", "transfer-rate"):
         folder = runs_dir
         if args.part == "smollm2":
-            methods = grid_methods(args.methods or SMOLLM2["methods"], PROBLEMS[args.problems])
+            methods = grid_methods(args.methods or PROBLEMS[args.problems].get("methods", SMOLLM2["methods"]),
+                                   PROBLEMS[args.problems])
             specs, initial = smollm2_specs(args, methods,
                                            args.rates or PROBLEMS[args.problems]["grid"],
                                            args.seeds or SMOLLM2["seeds"], args.steps or SMOLLM2["steps"],
@@ -1152,10 +1235,8 @@ def main(argv=None) -> int:
                                            args.seeds or DELTA["seeds"], args.steps or DELTA["steps"], split="validation",
                                            problems=PROBLEMS[args.problems])
         elif args.part == "validation":  # any methods, on validation seeds and the validation split (choosing)
-            problems = PROBLEMS[args.problems]  # at GRPO's best rate, or over the screen before one is chosen
             specs, initial = smollm2_specs(args, args.methods or [DELTA["method"]],
-                                           args.rates or ([problems["best_rate"]] if problems["best_rate"]
-                                                          else problems["rate_screen"]),
+                                           args.rates or validation_rates(PROBLEMS[args.problems]),
                                            args.seeds or DELTA["seeds"], args.steps or DELTA["steps"], split="validation",
                                            problems=PROBLEMS[args.problems])
         elif args.part == "transfer":  # its own folder: the untrained model and the cells are another task's

@@ -1,6 +1,7 @@
 """The benchmark scripts run end to end at a tiny size (seconds), so that they cannot rot."""
 
 import json
+import math
 import subprocess
 import sys
 from dataclasses import replace
@@ -684,7 +685,7 @@ def test_the_long_completion_task_asks_for_reasoning_and_reports_how_long_the_an
     sys.path.insert(0, str(BENCHMARKS))
     from learning import load_split, problem_splits, write_splits
     from stability import (A_PLUS_B, A_PLUS_B_REASONED, LONG_COMPLETIONS, completion_length_lines, completion_lengths,
-                           parse_args, rate_screen, smollm2_specs)
+                           defaults_twin, grid_methods, parse_args, rate_screen, smollm2_specs, validation_rates)
 
     args = parse_args(["--part", "validation", "--problems", "a+b-reasoned", "--eval_problems", "4",
                        "--output_dir", str(tmp_path)])
@@ -694,6 +695,15 @@ def test_the_long_completion_task_asks_for_reasoning_and_reports_how_long_the_an
         with pytest.raises(SystemExit):
             parse_args(["--part", "smollm2", "--problems", "a+b-reasoned"])
         assert args.part == "validation" and A_PLUS_B_REASONED["best_rate"] is None
+    else:  # screened: TRL's 1e-6, GRPO's best rate among the screen's and 10× it, GRPO against the defaults
+        best = A_PLUS_B_REASONED["best_rate"]
+        assert best in A_PLUS_B_REASONED["rate_screen"]
+        assert A_PLUS_B_REASONED["grid"] == sorted({1e-6, best, float(f"{10 * best:g}")})
+        assert defaults_twin(A_PLUS_B_REASONED) in A_PLUS_B_REASONED["methods"]
+        assert grid_methods(A_PLUS_B_REASONED["methods"], A_PLUS_B_REASONED) == ["grpo", defaults_twin(A_PLUS_B)]
+    # --part validation runs the screen's rates until a best rate is chosen, then that rate alone
+    assert validation_rates({**A_PLUS_B_REASONED, "best_rate": None}) == A_PLUS_B_REASONED["rate_screen"]
+    assert len(A_PLUS_B_REASONED["rate_screen"]) > 1 and validation_rates(A_PLUS_B) == [A_PLUS_B["best_rate"]]
     specs, initial = smollm2_specs(args, ["grpo"], [1e-6], [10], 40, problems=A_PLUS_B_REASONED, split="validation")
     spec = specs[0]
     assert "step by step" in spec["template"] and "\\boxed{}" in spec["template"]
@@ -724,6 +734,43 @@ def test_the_long_completion_task_asks_for_reasoning_and_reports_how_long_the_an
                                  {"learning_rate": 3e-6, "seed": 10, "accuracy": 0.5}], A_PLUS_B_REASONED)
     assert screen == {"1e-06": {10: 0.2, 11: 0.4}, "3e-06": {10: 0.5}}
     assert "validation seeds [10, 11]" in lines[0] and "| 1e-06 | 10: 0.200, 11: 0.400 | 0.3" in lines[1]
+
+
+def test_the_long_completion_task_reports_what_delta_its_steps_would_read_and_chooses_none(tmp_path):
+    """The long task keeps a + b's δ (it tests whether that δ holds): its δ section reports the per-token and the
+    per-completion KL of the steps and chooses nothing, where a + b's chooses its own."""
+    sys.path.insert(0, str(BENCHMARKS))
+    from stability import A_PLUS_B, A_PLUS_B_REASONED, DELTA, main
+
+    for problems, folder in ((A_PLUS_B_REASONED, tmp_path / "long"), (A_PLUS_B, tmp_path / "sums")):
+        (folder / "runs").mkdir(parents=True)
+        for seed, kls in ((10, [1e-3, 2e-3, 4e-3]), (11, [3e-3, 5e-3, math.nan])):
+            traces = {"oblr/step_kl": kls, "learning_rate": [1e-5, 2e-5, 3e-5], "grad_norm": [1.0, 1.0, 1.0],
+                      "completions/mean_length": [100.0, 50.0, 10.0]}
+            (folder / "runs" / f"validation-{DELTA['method']}-lr3e-05-seed{seed}.json").write_text(json.dumps(
+                {"method": DELTA["method"], "seed": seed, "learning_rate": 3e-5, "problems": problems["title"],
+                 "traces": traces}))
+        main(["--part", "summary", "--output_dir", str(folder), "--bootstrap", "50"])
+    long = json.loads((tmp_path / "long" / "summary.json").read_text())["trust_region_delta"]
+    assert long["chosen"] is None and long["delta_of"] == A_PLUS_B["title"]
+    # per completion: 0.1, 0.1, 0.04, 0.3, 0.25 (the NaN step dropped)
+    assert long["step_kl_per_sequence_quartiles"][1] == pytest.approx(0.1)
+    assert long["step_kl_quartiles"][1] == pytest.approx(3e-3)
+    assert "δ is not chosen here" in (tmp_path / "long" / "summary.md").read_text()
+    # where each unit of δ puts the rule's peak rate, against GRPO's best, on a + b (its committed runs) and here
+    units = long["units"]
+    assert set(units) == {A_PLUS_B["title"], A_PLUS_B_REASONED["title"]}
+    sums_unit = units[A_PLUS_B["title"]]  # its δ runs predate the length trace: one length for every step
+    assert sums_unit["per_token"] == pytest.approx(sums_unit["per_completion"]) and sums_unit["best_rate"] == 1e-5
+    here = units[A_PLUS_B_REASONED["title"]]
+    # at the peak per token 9e-3, 4.5e-3, 4e-3 (seed 10), 2.7e-2, 1.125e-2 (seed 11): median 9e-3; × the lengths 100,
+    # 50, 10 per completion 0.9, 0.225, 0.04, 2.7, 0.5625: median 0.5625
+    assert here["step_kl_at_peak_median"] == pytest.approx(9e-3) and here["steps"] == 5
+    assert here["per_token"] == pytest.approx((5e-3 / 9e-3) ** 0.5)
+    length = sums_unit["median_completion_length"]
+    assert here["per_completion"] == pytest.approx((5e-3 * length / 0.5625) ** 0.5)
+    sums = json.loads((tmp_path / "sums" / "summary.json").read_text())["trust_region_delta"]
+    assert sums["chosen"] == A_PLUS_B["trust_region_kl"] and "delta_of" not in sums
 
 
 def test_stability_long_completion_screen_smoke(saved_tiny_model, tmp_path):
