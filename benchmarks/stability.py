@@ -1011,13 +1011,14 @@ def write_summary(args) -> None:
                                               r["traces"].get("completions/mean_length", []), strict=False)
                         if math.isfinite(kl)]
         kept = problems.get("delta_of")  # a task that tests another's δ chooses none of its own
+        units, unit_lines = delta_units(problems, delta_runs) if kept else (None, [])
         results["trust_region_delta"] = {"seeds": [r["seed"] for r in delta_runs],
                                          "rate": delta_runs[0]["learning_rate"], "split": "validation",
                                          "step_kl_quartiles": quartiles, "step_kl_90th_percentile": deciles[-1],
                                          "chosen": None if kept else problems["trust_region_kl"],
                                          "step_kl_at_peak_quartiles": peak_quartiles}
         if kept:
-            results["trust_region_delta"]["delta_of"] = kept
+            results["trust_region_delta"].update(delta_of=kept, units=units)
         if len(per_sequence) > 1:
             results["trust_region_delta"]["step_kl_per_sequence_quartiles"] = statistics.quantiles(per_sequence, n=4)
         chosen = (f"δ is not chosen here: the task keeps {kept}'s (the defaults' {PEAK_DELTA:g} at the peak), and "
@@ -1028,9 +1029,6 @@ def write_summary(args) -> None:
                          "Per completion (KL per token × the step's mean completion length): quartiles " +
                          " / ".join(f"{q:.2e}" for q in results["trust_region_delta"]["step_kl_per_sequence_quartiles"])
                          + ". ")
-        if kept:
-            units, unit_lines = delta_units(problems, delta_runs)
-            results["trust_region_delta"]["units"] = units
         markdown += [f"## Choosing δ of the trust region (validation seeds {[r['seed'] for r in delta_runs]}, the "
                      f"defaults at GRPO's best rate {delta_runs[0]['learning_rate']:g}, validation split)\n",
                      f"Per-step KL(π_t ‖ π_t+1) per token over {len(kls)} steps: quartiles {quartiles[0]:.2e} / "
@@ -1039,9 +1037,7 @@ def write_summary(args) -> None:
                      f"Scaled to the schedule's peak, KL·(η_peak/η)² over the {len(at_peak)} steps with a gradient: "
                      f"quartiles {peak_quartiles[0]:.2e} / {peak_quartiles[1]:.2e} / {peak_quartiles[2]:.2e} — the "
                      "median is the δ a peak form whose steps land on their aim reads off these runs "
-                     f"(`{PEAK_DELTA_METHOD}`).\n", ""]
-        if kept:
-            markdown += unit_lines
+                     f"(`{PEAK_DELTA_METHOD}`).\n", "", *unit_lines]
         trust_runs = [r for r in runs if r["method"] in [*RATE_FOLLOWERS, "oblrpo-paper"]]
         if trust_runs:
             rows = [[r["method"], r["learning_rate"], r["seed"], r["accuracy"], learning.auc(r),
