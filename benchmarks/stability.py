@@ -1011,7 +1011,7 @@ def write_summary(args) -> None:
                                               r["traces"].get("completions/mean_length", []), strict=False)
                         if math.isfinite(kl)]
         kept = problems.get("delta_of")  # a task that tests another's δ chooses none of its own
-        units, unit_lines = delta_units(problems, delta_runs) if kept else (None, [])
+        units, unit_lines = delta_units(problems, delta_runs, runs) if kept else (None, [])
         results["trust_region_delta"] = {"seeds": [r["seed"] for r in delta_runs],
                                          "rate": delta_runs[0]["learning_rate"], "split": "validation",
                                          "step_kl_quartiles": quartiles, "step_kl_90th_percentile": deciles[-1],
@@ -1115,12 +1115,23 @@ def median_completion_length(runs: list[dict]) -> float:
     return statistics.median(length for r in runs for length in r["traces"].get("completions/mean_length", []))
 
 
-def delta_units(problems: dict, delta_runs: list[dict]) -> tuple[dict, list[str]]:
+def measured_peak_multiple(runs: list[dict], rate: float) -> dict | None:
+    """Where the defaults (`PEAK_DELTA_METHOD`, δ per token) put the peak rate in their own test runs at ``rate``
+    (GRPO's best): each run's median `oblr/trust_region_rate` over its measured steps ÷ ``rate``, and the median of
+    those. None before such a run has finished."""
+    multiples = [statistics.median(v for v in r["traces"]["oblr/trust_region_rate"] if math.isfinite(v)) / rate
+                 for r in runs if r["method"] == PEAK_DELTA_METHOD and r["learning_rate"] == rate]
+    return {"median": statistics.median(multiples), "run_medians": multiples} if multiples else None
+
+
+def delta_units(problems: dict, delta_runs: list[dict], runs: list[dict]) -> tuple[dict, list[str]]:
     """Where each unit of δ puts the peak form's rate on ``problems`` and on the task whose δ they keep
     (``problems["delta_of"]``), as a multiple of GRPO's best rate there, from each task's `DELTA` runs at that rate:
     per token, η̂/η_best = √(δ / m) with m the median KL per token at the peak (`steps_at_peak`); per completion,
     δ·L_src for the source's median answer length L_src, against the median of KL·L (L: the step's mean length). The
-    unit whose multiple stays put across tasks keeps its meaning; δ is the defaults' peak δ, chosen on the source."""
+    unit whose multiple stays put across tasks keeps its meaning; δ is the defaults' peak δ, chosen on the source.
+    Beside them, where the defaults' per-token δ put the peak in their test runs at that rate (``runs``: this task's
+    test runs; the source's are its committed ones), `measured_peak_multiple`."""
     source = next(p for p in PROBLEMS.values() if p["title"] == problems["delta_of"])
     source_runs = [json.loads(p.read_text()) for p in
                    sorted((RESULTS / source["folder"] / "runs").glob(f"validation-{DELTA['method']}-*.json"))]
@@ -1130,24 +1141,33 @@ def delta_units(problems: dict, delta_runs: list[dict]) -> tuple[dict, list[str]
         f"validation-*-lr{source['best_rate']:g}-seed*.json"))]
     source_length = median_completion_length([r for r in rate_runs if "completions/mean_length" in r["traces"]])
     units, rows = {}, []
-    for task, runs in ((source, source_runs), (problems, delta_runs)):
-        steps = steps_at_peak(runs)
+    for task, task_delta_runs, test_runs in ((source, source_runs, cached_runs(RESULTS / source["folder"] / "runs")),
+                                              (problems, delta_runs, runs)):
+        steps = steps_at_peak(task_delta_runs)
         lengths = [length if math.isfinite(length) else source_length for _, length in steps]
         token_median = statistics.median(kl for kl, _ in steps)
         sequence_median = statistics.median(kl * length for (kl, _), length in zip(steps, lengths, strict=True))
+        best_rate = task_delta_runs[0]["learning_rate"]
+        measured = measured_peak_multiple(test_runs, best_rate)
         units[task["title"]] = {
-            "best_rate": runs[0]["learning_rate"], "median_completion_length": statistics.median(lengths),
+            "best_rate": best_rate, "median_completion_length": statistics.median(lengths),
             "step_kl_at_peak_median": token_median, "per_token": math.sqrt(PEAK_DELTA / token_median),
-            "per_completion": math.sqrt(PEAK_DELTA * source_length / sequence_median), "steps": len(steps)}
+            "per_completion": math.sqrt(PEAK_DELTA * source_length / sequence_median), "steps": len(steps),
+            "defaults_measured_peak": measured}
         unit = units[task["title"]]
-        rows.append([task["title"], f"{unit['best_rate']:g}", f"{unit['median_completion_length']:.1f}",
-                     f"{token_median:.2e}", f"{unit['per_token']:.2f}×", f"{unit['per_completion']:.2f}×"])
+        rows.append([task["title"], f"{best_rate:g}", f"{unit['median_completion_length']:.1f}",
+                     f"{token_median:.2e}", f"{unit['per_token']:.2f}×", f"{unit['per_completion']:.2f}×",
+                     "not run" if measured is None else
+                     f"{measured['median']:.2f}× ({len(measured['run_medians'])} runs, "
+                     f"{min(measured['run_medians']):.2f}–{max(measured['run_medians']):.2f})"])
     lines = [f"Where each unit of δ puts the peak form's rate, as a multiple of GRPO's best rate on each task (δ = "
              f"{PEAK_DELTA:g} per token, or {PEAK_DELTA:g} × {source_length:.1f} = {PEAK_DELTA * source_length:.3g} "
              f"per completion, {source['title']}'s median answer length; from each task's runs without a trust "
              "region at GRPO's best rate, validation seeds):\n",
              markdown_table(["task", "GRPO's best rate", "median length", "median KL per token at the peak",
-                             "η̂ ÷ best, δ per token", "η̂ ÷ best, δ per completion"], rows), ""]
+                             "η̂ ÷ best, δ per token", "η̂ ÷ best, δ per completion",
+                             "the defaults' measured η̂ ÷ best (test runs at the best rate; run medians' range)"],
+                            rows), ""]
     return units, lines
 
 

@@ -740,7 +740,7 @@ def test_the_long_completion_task_reports_what_delta_its_steps_would_read_and_ch
     """The long task keeps a + b's δ (it tests whether that δ holds): its δ section reports the per-token and the
     per-completion KL of the steps and chooses nothing, where a + b's chooses its own."""
     sys.path.insert(0, str(BENCHMARKS))
-    from stability import A_PLUS_B, A_PLUS_B_REASONED, DELTA, main
+    from stability import A_PLUS_B, A_PLUS_B_REASONED, DELTA, PEAK_DELTA_METHOD, delta_units, main
 
     for problems, folder in ((A_PLUS_B_REASONED, tmp_path / "long"), (A_PLUS_B, tmp_path / "sums")):
         (folder / "runs").mkdir(parents=True)
@@ -769,6 +769,18 @@ def test_the_long_completion_task_reports_what_delta_its_steps_would_read_and_ch
     assert here["per_token"] == pytest.approx((5e-3 / 9e-3) ** 0.5)
     length = sums_unit["median_completion_length"]
     assert here["per_completion"] == pytest.approx((5e-3 * length / 0.5625) ** 0.5)
+    # where the defaults' per-token δ put the peak in their test runs at the best rate: none here yet; a + b's from
+    # its committed runs at 1e-5 (10 seeds)
+    assert here["defaults_measured_peak"] is None
+    assert len(sums_unit["defaults_measured_peak"]["run_medians"]) >= 10
+    delta_runs = [json.loads(p.read_text()) for p in sorted((tmp_path / "long" / "runs").glob("validation-*.json"))]
+    test_runs = [{"method": PEAK_DELTA_METHOD, "seed": seed, "learning_rate": 3e-5,
+                  "traces": {"oblr/trust_region_rate": peaks}}  # NaN: the steps between measurements
+                 for seed, peaks in ((0, [math.nan, 1.5e-5, 3e-5, 6e-5]), (1, [math.nan, 6e-5, 9e-5, 9e-5]))]
+    test_runs.append({**test_runs[0], "method": "grpo"})  # another method's runs do not count
+    measured = delta_units(A_PLUS_B_REASONED, delta_runs, test_runs)[0][A_PLUS_B_REASONED["title"]]
+    assert measured["defaults_measured_peak"] == {"median": pytest.approx(2.0),
+                                                  "run_medians": pytest.approx([1.0, 3.0])}
     sums = json.loads((tmp_path / "sums" / "summary.json").read_text())["trust_region_delta"]
     assert sums["chosen"] == A_PLUS_B["trust_region_kl"] and "delta_of" not in sums
 
