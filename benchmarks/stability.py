@@ -1117,8 +1117,9 @@ def median_completion_length(runs: list[dict]) -> float:
 
 def measured_peak_multiple(runs: list[dict], rate: float) -> dict | None:
     """Where the defaults (`PEAK_DELTA_METHOD`, δ per token) put the peak rate in their own test runs at ``rate``
-    (GRPO's best): each run's median `oblr/trust_region_rate` over its measured steps ÷ ``rate``, and the median of
-    those. None before such a run has finished."""
+    (GRPO's best): each run's median `oblr/trust_region_rate` ÷ ``rate`` over the steps that have an estimate (every
+    step after the first measurement: the estimate is held between measurements), and the median of those. None
+    before such a run has finished."""
     multiples = [statistics.median(v for v in r["traces"]["oblr/trust_region_rate"] if math.isfinite(v)) / rate
                  for r in runs if r["method"] == PEAK_DELTA_METHOD and r["learning_rate"] == rate]
     return {"median": statistics.median(multiples), "run_medians": multiples} if multiples else None
