@@ -26,7 +26,8 @@ Seven parts, each resumable and each writing into the one summary:
   chosen by ``delta``) in its forms on GRPO's advantages and on OBLR-PO's. Where a method sets only the defaults
   (a + b: the peak form per update at δ = 0.005), `oblrpo` is not run again: the summary reports that method's runs
   under its name too. At GRPO's best rate the defaults without the SNR factor (`oblrpo-defaults-no-snr`) and with a
-  calibration that lets it act on more of a run give the summary's ``snr_ablation``, paired by seed. Each run is a
+  calibration that lets it act on more of a run give the summary's ``snr_ablation``, paired by seed (``snr-long``:
+  the per-completion arm and its partner over 60 steps). Each run is a
   fresh process kept under the problems' folder, `results/stability/runs/` for a + b (committed, so the grid can be
   completed across sessions: ``--methods``/``--rates``/``--seeds`` pick a part of it).
 * ``delta`` — the per-step KL of the defaults at the best rate on validation seeds and the validation split, from
@@ -45,6 +46,7 @@ Seven parts, each resumable and each writing into the one summary:
     python benchmarks/stability.py --part smollm2        # a + b: 25 runs a method (7–15 min each), 2 at a time; resumes
     python benchmarks/stability.py --part delta          # 2 validation runs that choose δ
     python benchmarks/stability.py --part validation --methods M   # M on validation seeds 10, 11 (choosing)
+    python benchmarks/stability.py --part snr-long       # the SNR ablation over 60 steps: 20 runs (10-13 min each)
     python benchmarks/stability.py --part transfer-rate  # GRPO's best rate on a × b (0…14), validation seeds
     python benchmarks/stability.py --part transfer       # 9 runs on a × b and the untrained model; resumes
     python benchmarks/stability.py --part smollm2 --problems a±b   # the a ± b grid (results/stability-a-pm-b/)
@@ -260,7 +262,7 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--part", choices=["synthetic", "smollm2", "resolve", "delta", "validation", "transfer",
-                                           "transfer-rate", "summary"],
+                                           "transfer-rate", "snr-long", "summary"],
                         default="summary")
     parser.add_argument("--methods", nargs="+", default=None,
                         help="methods of the part (default: all of the synthetic ones; on SmolLM2 GRPO, the "
@@ -677,6 +679,15 @@ def defaults_twin(problems: dict) -> str | None:
 SNR_ABLATION_WITHOUT = "oblrpo-defaults-no-snr"
 SNR_ABLATION_ARMS = ["oblrpo-defaults-snr-two-sided-cal5", "oblrpo-defaults-snr-two-sided-cal5-per-sample",
                      "oblrpo-defaults-snr-two-sided-cal2"]
+# the per-completion arm resolves at a median step 23 of 40 and then acts on nearly every step, so in 40-step runs it
+# acts on 40 %: `--part snr-long` runs it and the arm without the factor for 60 steps (the same linear schedule
+# stretched over them), 10 paired test seeds, named with the tag `snr_long_tag()` so that the grid leaves them out
+SNR_LONG = {"steps": 60, "seeds": list(range(10)),
+            "arms": ["oblrpo-defaults-snr-two-sided-cal5-per-sample", SNR_ABLATION_WITHOUT]}
+
+
+def snr_long_tag() -> str:
+    return f"@{SNR_LONG['steps']}steps"
 
 
 def snr_factor_acting_fraction(runs: list[dict]) -> float | None:
@@ -693,15 +704,17 @@ def snr_ablation(runs: list[dict], validation: list[dict], twin: str | None, rat
     def by_seed(pool: list[dict], method: str) -> dict[int, dict]:
         return {r["seed"]: r for r in pool if r["method"] == method and r["learning_rate"] == rate}
 
-    without = by_seed(runs, SNR_ABLATION_WITHOUT)
+    tag = snr_long_tag()
+    pairs = [(arm, SNR_ABLATION_WITHOUT) for arm in [twin, *SNR_ABLATION_ARMS]]
+    pairs += [(arm + tag, SNR_ABLATION_WITHOUT + tag) for arm in SNR_LONG["arms"] if arm != SNR_ABLATION_WITHOUT]
     arms = {}
-    for arm in [twin, *SNR_ABLATION_ARMS]:
-        mine = by_seed(runs, arm)
+    for arm, reference in pairs:
+        mine, without = by_seed(runs, arm), by_seed(runs, reference)
         seeds = sorted(set(mine) & set(without))
         if arm is None or not seeds:
             continue
         differences = [mine[s]["accuracy"] - without[s]["accuracy"] for s in seeds]
-        arms[arm] = {"with": arm, "without": SNR_ABLATION_WITHOUT, "rate": rate,
+        arms[arm] = {"with": arm, "without": reference, "rate": rate, "steps": len(mine[seeds[0]]["traces"]["snr/lr_factor"]),
                      "difference_mean": statistics.fmean(differences),
                      "difference_ci": bootstrap_ci(differences, resamples), "seeds": seeds,
                      "with_final_mean": statistics.fmean(mine[s]["accuracy"] for s in seeds),
@@ -719,15 +732,16 @@ def snr_ablation(runs: list[dict], validation: list[dict], twin: str | None, rat
 
 
 def snr_ablation_lines(ablation: dict) -> list[str]:
-    rows = [[entry["with"], f"{entry['with_final_mean']:.3f}", f"{entry['without_final_mean']:.3f}",
+    rows = [[entry["with"], entry["steps"], f"{entry['with_final_mean']:.3f}", f"{entry['without_final_mean']:.3f}",
              f"{entry['difference_mean']:+.3f} [{entry['difference_ci'][0]:+.3f}, {entry['difference_ci'][1]:+.3f}]",
              len(entry["seeds"]), "—" if entry["acting_fraction"] is None else f"{entry['acting_fraction']:.2f}"]
             for entry in ([ablation] if "with" in ablation else []) + list(ablation["variants"].values())]
     lines = [f"The SNR factor on and off, the rest of the defaults unchanged (final test accuracy at {ablation['rate']:g}, "
-             f"paired by seed against `{SNR_ABLATION_WITHOUT}`; acted: the share of the arm's steps whose rate the "
-             "factor moved by more than 1 %):\n"]
+             f"paired by seed against `{SNR_ABLATION_WITHOUT}` over as many steps; acted: the share of the arm's steps "
+             "whose rate the factor moved by more than 1 %):\n"]
     if rows:
-        lines += [markdown_table(["with the factor", "final", "without", "difference [95 % CI]", "seeds", "acted"],
+        lines += [markdown_table(["with the factor", "steps", "final", "without", "difference [95 % CI]", "seeds",
+                                  "acted"],
                                  rows), ""]
     if ablation["validation"]:
         lines += ["Validation runs that chose the arms (validation seeds and split):\n",
@@ -1248,7 +1262,7 @@ def main(argv=None) -> int:
                     data[key] = {**earlier[key], **data[key]}
         output_dir.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(data))
-    elif args.part in ("smollm2", "resolve", "delta", "validation", "transfer", "transfer-rate"):
+    elif args.part in ("smollm2", "resolve", "delta", "validation", "transfer", "transfer-rate", "snr-long"):
         folder = runs_dir
         if args.part == "smollm2":
             methods = grid_methods(args.methods or PROBLEMS[args.problems].get("methods", SMOLLM2["methods"]),
@@ -1266,6 +1280,11 @@ def main(argv=None) -> int:
                                            args.rates or validation_rates(PROBLEMS[args.problems]),
                                            args.seeds or DELTA["seeds"], args.steps or DELTA["steps"], split="validation",
                                            problems=PROBLEMS[args.problems])
+        elif args.part == "snr-long":  # the SNR ablation's per-completion arm long enough to act on most steps
+            specs, initial = smollm2_specs(args, args.methods or SNR_LONG["arms"],
+                                           args.rates or [PROBLEMS[args.problems]["best_rate"]],
+                                           args.seeds or SNR_LONG["seeds"], args.steps or SNR_LONG["steps"],
+                                           problems=PROBLEMS[args.problems], tag=snr_long_tag())
         elif args.part == "transfer":  # its own folder: the untrained model and the cells are another task's
             transfer = TRANSFERS[args.problems]
             best = transfer["problems"]["best_rate"]

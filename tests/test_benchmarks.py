@@ -580,7 +580,7 @@ def test_stability_snr_ablation_pairs_each_arm_with_the_defaults_without_the_fac
     both ran (another rate or an unpaired seed does not count), with the share of the arm's steps the factor moved;
     the defaults at the top level, the other arms under ``variants``, the validation runs under ``validation``."""
     sys.path.insert(0, str(BENCHMARKS))
-    from stability import SNR_ABLATION_ARMS, SNR_ABLATION_WITHOUT, snr_ablation
+    from stability import SNR_ABLATION_ARMS, SNR_ABLATION_WITHOUT, SNR_LONG, snr_ablation, snr_long_tag
 
     def run(method, seed, accuracy, factors, rate=1e-5):
         return {"method": method, "seed": seed, "learning_rate": rate, "accuracy": accuracy,
@@ -593,6 +593,10 @@ def test_stability_snr_ablation_pairs_each_arm_with_the_defaults_without_the_fac
             run(SNR_ABLATION_WITHOUT, 0, 0.7, [nan] * 4), run(SNR_ABLATION_WITHOUT, 1, 0.7, [nan] * 4),
             run(SNR_ABLATION_WITHOUT, 3, 0.9, [nan] * 4, rate=1e-4),
             run(SNR_ABLATION_ARMS[0], 1, 0.5, [0.5, 0.6, 0.98, 1.0])]
+    # the longer runs pair with the longer runs without the factor, never with the 4-step ones
+    longer = SNR_LONG["arms"][0] + snr_long_tag()
+    runs += [run(longer, 0, 0.95, [nan] + [1.5] * 5), run(longer, 1, 0.9, [1.0] * 6),
+             run(SNR_ABLATION_WITHOUT + snr_long_tag(), 1, 0.85, [nan] * 6)]
     validation = [run("defaults", 10, 0.4, [1.0, 1.2]), run(SNR_ABLATION_WITHOUT, 10, 0.3, [nan, nan])]
     ablation = snr_ablation(runs, validation, "defaults", 1e-5, resamples=200)
     assert ablation["with"] == "defaults" and ablation["without"] == SNR_ABLATION_WITHOUT and ablation["rate"] == 1e-5
@@ -603,10 +607,37 @@ def test_stability_snr_ablation_pairs_each_arm_with_the_defaults_without_the_fac
     assert ablation["acting_fraction"] == pytest.approx(1 / 7)  # 1.5 of 7 finite factors; 1.005 is within 1 %
     variant = ablation["variants"][SNR_ABLATION_ARMS[0]]
     assert variant["seeds"] == [1] and variant["difference_mean"] == pytest.approx(-0.2)
-    assert variant["acting_fraction"] == pytest.approx(3 / 4)
+    assert variant["acting_fraction"] == pytest.approx(3 / 4) and variant["steps"] == 4
+    paired_longer = ablation["variants"][longer]
+    assert paired_longer["without"] == SNR_ABLATION_WITHOUT + snr_long_tag() and paired_longer["seeds"] == [1]
+    assert paired_longer["difference_mean"] == pytest.approx(0.05) and paired_longer["steps"] == 6
+    assert paired_longer["acting_fraction"] == 0.0
     assert ablation["validation"]["defaults"] == {"final_by_seed": {10: 0.4}, "acting_fraction": 0.5}
     assert ablation["validation"][SNR_ABLATION_WITHOUT]["acting_fraction"] is None
     assert snr_ablation(runs[:4], [], "defaults", 1e-5, resamples=20) == {}
+
+
+def test_stability_snr_long_runs_both_arms_longer_under_a_tag_the_grid_leaves_out(tmp_path, monkeypatch):
+    """`--part snr-long` runs the per-completion arm and its partner without the factor at GRPO's best rate for
+    `SNR_LONG["steps"]` steps on 10 paired test seeds, seed by seed, under method names the grid does not count."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import learning
+    import stability
+
+    launched = []
+    monkeypatch.setattr(learning, "run_all", lambda specs, folder, *_: launched.extend(specs))
+    monkeypatch.setattr(stability, "write_summary", lambda args: None)
+    assert stability.main(["--part", "snr-long", "--output_dir", str(tmp_path)]) == 0
+    initial, *specs = launched
+    tag = stability.snr_long_tag()
+    assert initial["method"] == "initial" and len(specs) == 2 * len(stability.SNR_LONG["seeds"]) >= 20
+    assert [s["method"] for s in specs[:2]] == [arm + tag for arm in stability.SNR_LONG["arms"]]
+    assert [s["seed"] for s in specs[:4]] == [0, 0, 1, 1]  # seed-major: an interrupted run keeps whole pairs
+    assert {s["steps"] for s in specs} == {stability.SNR_LONG["steps"]} and stability.SNR_LONG["steps"] > 40
+    assert {s["learning_rate"] for s in specs} == {stability.A_PLUS_B["best_rate"]} and {s["split"] for s in specs} == {
+        "test"}
+    assert all(s["method"] not in stability.SMOLLM2_METHODS for s in specs)  # so smollm2_grid leaves them out
+    assert specs[0]["overrides"]["snr_estimator"] == "per_sample" and specs[1]["overrides"]["use_snr_lr"] is False
 
 
 def test_the_grid_reports_the_defaults_from_the_trust_region_runs_that_are_them(tmp_path):
