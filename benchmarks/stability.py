@@ -13,7 +13,7 @@ best mean final accuracy of any method at any rate minus this method's final acc
 (per seed, so it can be paired), and its paired difference with `grpo`, bootstrapped over seeds. A rule with lower
 regret than GRPO loses less when the rate is wrong.
 
-Seven parts, each resumable and each writing into the one summary:
+Eight parts, each resumable and each writing into the one summary:
 
 * ``synthetic`` — the testbed of `synthetic_learning.py` (exact gradients, 100 paired seeds, the trainer's own pure
   functions), every method under both schedules (`constant`, and TRL's `linear`), rates 0.1 (GRPO's best) … 3.
@@ -26,10 +26,11 @@ Seven parts, each resumable and each writing into the one summary:
   chosen by ``delta``) in its forms on GRPO's advantages and on OBLR-PO's. Where a method sets only the defaults
   (a + b: the peak form per update at δ = 0.005), `oblrpo` is not run again: the summary reports that method's runs
   under its name too. At GRPO's best rate the defaults without the SNR factor (`oblrpo-defaults-no-snr`) and with a
-  calibration that lets it act on more of a run give the summary's ``snr_ablation``, paired by seed (``snr-long``:
-  the per-completion arm and its partner over 60 steps). Each run is a
+  calibration that lets it act on more of a run give the summary's ``snr_ablation``, paired by seed. Each run is a
   fresh process kept under the problems' folder, `results/stability/runs/` for a + b (committed, so the grid can be
   completed across sessions: ``--methods``/``--rates``/``--seeds`` pick a part of it).
+* ``snr-long`` — the SNR ablation's per-completion arm and the defaults without the factor over 60 steps, 10 paired
+  test seeds at GRPO's best rate (in 40 steps that arm acts on 40 % of the steps), paired in ``snr_ablation``.
 * ``delta`` — the per-step KL of the defaults at the best rate on validation seeds and the validation split, from
   which δ is chosen.
 * ``validation`` — any ``--methods`` on validation seeds (10, 11) and the validation split: where the rule's
@@ -686,8 +687,8 @@ SNR_LONG = {"steps": 60, "seeds": list(range(10)),
             "arms": ["oblrpo-defaults-snr-two-sided-cal5-per-sample", SNR_ABLATION_WITHOUT]}
 
 
-def snr_long_tag() -> str:
-    return f"@{SNR_LONG['steps']}steps"
+def snr_long_tag(steps: int = SNR_LONG["steps"]) -> str:
+    return f"@{steps}steps"
 
 
 def snr_factor_acting_fraction(runs: list[dict]) -> float | None:
@@ -699,8 +700,9 @@ def snr_factor_acting_fraction(runs: list[dict]) -> float | None:
 def snr_ablation(runs: list[dict], validation: list[dict], twin: str | None, rate: float, resamples: int) -> dict:
     """Each arm with the SNR factor (the defaults, `twin`, first; then `SNR_ABLATION_ARMS`) minus the defaults without
     it (`SNR_ABLATION_WITHOUT`): final test accuracy at ``rate``, paired by seed, with the share of the arm's steps the
-    factor acted on. The defaults' comparison is the top level, the other arms under ``variants``; the validation runs
-    that chose among the arms (seeds 10, 11, validation split) under ``validation``. Empty before a pair has run."""
+    factor acted on (the longer `SNR_LONG` runs against the longer runs without it). The defaults' comparison is the
+    top level, the other arms under ``variants``; the validation runs that chose among the arms (seeds 10, 11,
+    validation split) under ``validation``. Empty before a pair has run."""
     def by_seed(pool: list[dict], method: str) -> dict[int, dict]:
         return {r["seed"]: r for r in pool if r["method"] == method and r["learning_rate"] == rate}
 
@@ -714,7 +716,8 @@ def snr_ablation(runs: list[dict], validation: list[dict], twin: str | None, rat
         if arm is None or not seeds:
             continue
         differences = [mine[s]["accuracy"] - without[s]["accuracy"] for s in seeds]
-        arms[arm] = {"with": arm, "without": reference, "rate": rate, "steps": len(mine[seeds[0]]["traces"]["snr/lr_factor"]),
+        arms[arm] = {"with": arm, "without": reference, "rate": rate,
+                     "steps": len(mine[seeds[0]]["traces"]["snr/lr_factor"]),
                      "difference_mean": statistics.fmean(differences),
                      "difference_ci": bootstrap_ci(differences, resamples), "seeds": seeds,
                      "with_final_mean": statistics.fmean(mine[s]["accuracy"] for s in seeds),
@@ -1284,7 +1287,8 @@ def main(argv=None) -> int:
             specs, initial = smollm2_specs(args, args.methods or SNR_LONG["arms"],
                                            args.rates or [PROBLEMS[args.problems]["best_rate"]],
                                            args.seeds or SNR_LONG["seeds"], args.steps or SNR_LONG["steps"],
-                                           problems=PROBLEMS[args.problems], tag=snr_long_tag())
+                                           problems=PROBLEMS[args.problems],
+                                           tag=snr_long_tag(args.steps or SNR_LONG["steps"]))
         elif args.part == "transfer":  # its own folder: the untrained model and the cells are another task's
             transfer = TRANSFERS[args.problems]
             best = transfer["problems"]["best_rate"]
