@@ -77,7 +77,8 @@ from common import (  # noqa: E402
 
 VARIANTS = {
     "grpo": None,  # TRL's GRPOTrainer with GRPOConfig defaults
-    # OBLR-PO defaults: logit weights + SNR learning rate + the trust region (target form, its KL forward every 16th step)
+    # OBLR-PO defaults: logit weights + SNR learning rate + the trust region (peak form per unit of Adam's update, its KL
+    # forward every 16th step with a gradient after gaps of 1, 2, 4, 8)
     "oblrpo": {},
     "oblrpo-no-trust": {"lr_trust_region_kl": None},  # the defaults before 2026-11-26
     "oblrpo-no-snr": {"use_snr_lr": False},
@@ -98,9 +99,10 @@ VARIANTS = {
     # the step's KL measured on every step, the defaults until the end of 2026-11-26
     "oblrpo-every-step": {"lr_trust_region_measure_steps": 1},
 }
-# OBLR-PO's own phases, timed inside each step (seconds a step): the trust region's measuring forward, the weights and
-# the SNR estimator's sketch of the step's gradients (a read of every gradient, at memory bandwidth on a CPU)
-PHASES = {"step_kl": ("oblr_trl.training.step_kl", "StepKLRecorder", "after_step"),
+# OBLR-PO's own phases, timed inside each step (seconds a step): what the rate rule measures after a step (the trust
+# region's measuring forward, Adam's update size), the weights and the SNR estimator's sketch of the step's gradients
+# (a read of every gradient, at memory bandwidth on a CPU)
+PHASES = {"step_kl": ("oblr_trl.training.step_control", "OptimizerStepControl", "after_step"),
           "weights": ("oblr_trl.training.completion_weights", "CompletionWeights", "compute"),
           "snr_sketch": ("oblr_trl.training.step_noise", "StepNoiseRecorder", "read_step_gradients")}
 RECIPE_LORA = {"r": 32, "lora_alpha": 64, "target_modules": "all-linear", "task_type": "CAUSAL_LM"}  # the recipes'
@@ -443,7 +445,7 @@ def step_kl_cadence(trainer, step_kl_seconds: list[float]) -> dict:
     """What the trust region's measuring forward costs a step in a long run, from one run.
 
     The forward runs on the first step and then once every ``lr_trust_region_measure_steps`` steps *with a gradient*
-    (`StepKLRecorder._due`: a step whose groups all scored alike has none and does not count), so a short window can
+    (`StepRateRule._kl_due`: a step whose groups all scored alike has none and does not count), so a short window can
     hold its measurement or miss it. Recorded: the measurements over the whole run, warm-up steps included (the first
     step with a gradient always measures, so a cadence longer than the window still has its cost; the step's own
     work is warm by then), their seconds per measurement (None without one), the share of the run's steps with a

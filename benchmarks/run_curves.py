@@ -5,7 +5,7 @@ The runs of `stability.py` keep their per-step traces (`runs/*.json`); this draw
 healthy run that docs/rate_rule.md shows, and writes the PNG beside the run's folder.
 
     python benchmarks/run_curves.py \
-        benchmarks/results/stability/runs/test-oblrpo-trust-target-every16-lr1e-05-seed0.json \
+        benchmarks/results/stability/runs/test-oblrpo-trust-peak-update-every16-kl0.005-lr1e-05-seed0.json \
         --output benchmarks/results/stability/healthy_run.png
 """
 

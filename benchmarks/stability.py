@@ -82,16 +82,20 @@ REFERENCE = "grpo"
 TRL_SCHEDULE = {"lr_scheduler_type": "linear", "warmup_steps": 0}  # GRPOConfig's (TrainingArguments') defaults
 
 # --- the synthetic testbed -------------------------------------------------------------------------------------------
-DEFAULT = synthetic.METHODS["oblrpo"]  # OBLR-PO's defaults; the learning-rate rules below vary only the rule
+# OBLR-PO's defaults before the trust region (2026-11-26), as this grid ran them; the rules below vary only the rule
+DEFAULT = synthetic.METHODS["oblrpo"]
 SYNTHETIC_METHODS = {
     "grpo": synthetic.METHODS["grpo"],
     "oblrpo": DEFAULT,
     "oblrpo-unscaled": synthetic.METHODS["oblrpo-unscaled"],
-    "oblrpo-no-snr": replace(DEFAULT, snr=None, description="OBLR-PO's baseline (group std scaling), no SNR factor"),
-    "oblrpo-two-sided": replace(DEFAULT, min_ratio=0.5, description="calibrated factor, ratio in [0.5, 2]"),
-    "oblrpo-contract": replace(DEFAULT, min_ratio=0.25, max_ratio=1.0,
+    "oblrpo-no-snr": replace(DEFAULT, rate=synthetic.CONSTANT_RATE,
+                             description="OBLR-PO's baseline (group std scaling), no SNR factor"),
+    "oblrpo-two-sided": replace(DEFAULT, rate=synthetic.calibrated_snr_rate(0.5, 2.0),
+                                description="calibrated factor, ratio in [0.5, 2]"),
+    "oblrpo-contract": replace(DEFAULT, rate=synthetic.calibrated_snr_rate(0.25, 1.0),
                                description="calibrated factor, ratio in [0.25, 1]: never raises the rate"),
-    "oblrpo-absolute": replace(DEFAULT, snr="absolute", description="the paper-literal factor (the rate is η_max)"),
+    "oblrpo-absolute": replace(DEFAULT, rate={"lr_trust_region_kl": None, "snr_lr_reference": "absolute"},
+                               description="the paper-literal factor (the rate is η_max)"),
 }
 SYNTHETIC_RATES = [0.1, 0.3, 1.0, 3.0]
 
@@ -215,7 +219,8 @@ PROBLEMS = {"a±b": A_PLUS_MINUS_B, "a+b": A_PLUS_B}  # a + b's grid decides (a 
 # learns it in the budget under the fixed grader), so its folder is the benchmark's `results/stability/`
 for _form in ("cap", "target"):  # a + b's δ, unchanged, on the testbed: what it costs where the rate is right
     SYNTHETIC_METHODS[f"oblrpo-trust-{_form}"] = replace(
-        DEFAULT, trust_region_kl=A_PLUS_B["trust_region_kl"], trust_region_mode=_form,
+        DEFAULT, rate={**DEFAULT.rate, "lr_trust_region_kl": A_PLUS_B["trust_region_kl"], "lr_trust_region_mode": _form,
+                       "lr_trust_region_curvature": "per_rate", "lr_trust_region_measure_steps": 1},
         description=f"the defaults with the trust region of the step, {_form} form, "
         f"δ = {A_PLUS_B['trust_region_kl']:g} (a + b's)")
 # the transfer of each grid's δ, unchanged, to a second task (issue 26, item 4), run at GRPO's best rate there and 10×
@@ -1050,8 +1055,9 @@ def write_summary(args) -> None:
             results["trust_region_delta"]["step_kl_per_sequence_quartiles"] = statistics.quantiles(per_sequence, n=4)
         chosen = (f"δ is not chosen here: the task keeps {kept}'s (the defaults' {PEAK_DELTA:g} at the peak), and "
                   "these figures say what the same rule would read off its steps" if kept else
-                  f"Chosen δ = {problems['trust_region_kl']:g} (the 90th percentile, rounded: the largest steps the "
-                  "best rate takes while it learns)")
+                  f"The cap and target forms' δ = {problems['trust_region_kl']:g} (the 90th percentile, rounded: the "
+                  "largest steps the best rate takes while it learns); the defaults' peak form reads its δ off the "
+                  "steps scaled to the peak, below")
         sequence_line = ("" if len(per_sequence) < 2 else
                          "Per completion (KL per token × the step's mean completion length): quartiles " +
                          " / ".join(f"{q:.2e}" for q in results["trust_region_delta"]["step_kl_per_sequence_quartiles"])
@@ -1108,18 +1114,19 @@ def write_summary(args) -> None:
 
 
 def synthetic_defaults_line() -> str:
-    """Which testbed method is OBLRPOConfig's defaults, where `oblrpo` there is not (the testbed's `oblrpo` is the
-    defaults before the trust region became one: its cells were measured then and kept under that name)."""
-    from oblr_trl import OBLRPOConfig
+    """Which testbed method of this grid runs OBLR-PO's rate rule as it ships, where `oblrpo` there does not (the
+    testbed's `oblrpo` is the defaults before the trust region became one: its cells were measured then and kept
+    under that name)."""
+    from oblr_trl.training.options import OBLRPOOptions
 
-    defaults = (OBLRPOConfig.lr_trust_region_kl, OBLRPOConfig.lr_trust_region_mode)
-    if (DEFAULT.trust_region_kl, DEFAULT.trust_region_mode) == defaults:
+    shipped = OBLRPOOptions()
+    if DEFAULT.rate_options() == shipped:
         return ""
-    twin = next((name for name, m in SYNTHETIC_METHODS.items() if (m.trust_region_kl, m.trust_region_mode) == defaults),
-                None)
+    twin = next((name for name, m in SYNTHETIC_METHODS.items() if m.rate_options() == shipped), None)
     return (f"Here `oblrpo` is OBLR-PO's defaults without the trust region (before 2026-11-26); today's defaults "
-            f"(δ = {defaults[0]:g}, {defaults[1]}) are " + (f"`{twin}`" if twin else "none of the testbed's methods")
-            + ".\n")
+            f"(δ = {shipped.lr_trust_region_kl:g}, {shipped.lr_trust_region_mode}) are "
+            + (f"`{twin}`" if twin else "none of this grid's methods (the testbed's `defaults` arm runs them: "
+               "`synthetic_learning.py`)") + ".\n")
 
 
 def steps_at_peak(delta_runs: list[dict]) -> list[tuple[float, float]]:

@@ -63,8 +63,8 @@ def record_completion_kls(args) -> tuple[list[list[dict]], list[float]]:
     task = load_task("arithmetic", "train", TaskOptions(num_problems=200, seed=args.seed))
     reward = [text_hash_parity_reward] if args.reward == "hash" else None
     trainer = build_trainer(args.model, {}, config, None, task, reward_funcs=reward)
-    recorder, steps, kept, rates = trainer.kl_recorder, [], {}, []
-    keep, measure, after_step = recorder.keep, recorder.token_log_probs, recorder.after_step
+    recorder, control, steps, kept, rates = trainer.kl_recorder, trainer.step_control, [], {}, []
+    keep, measure, after_step = recorder.keep, recorder.token_log_probs, control.after_step
 
     def keeping(batch, log_probs, mask):
         kept[id(batch)] = (log_probs.detach(), mask)
@@ -80,12 +80,13 @@ def record_completion_kls(args) -> tuple[list[list[dict]], list[float]]:
                                                  (-(old.float() * mask).sum(1)).tolist(), strict=True))
         return new
 
-    def stepping(lr, metrics, grad_norm=None):
+    def stepping():
         steps.append([])
-        rates.append(lr if grad_norm != 0.0 else None)  # a momentum-only step: the rule does not fold it in
-        after_step(lr, metrics, grad_norm)
+        # a momentum-only step: the rule does not fold it in
+        rates.append(control.applied_lr if control.grad_norm != 0.0 else None)
+        after_step()
 
-    recorder.keep, recorder.token_log_probs, recorder.after_step = keeping, measuring, stepping
+    recorder.keep, recorder.token_log_probs, control.after_step = keeping, measuring, stepping
     trainer.train()
     measured = [i for i, rows in enumerate(steps) if rows and sum(r["kl"] for r in rows) > 0]  # a step that moved
     return [steps[i] for i in measured], [rates[i] for i in measured]

@@ -15,12 +15,16 @@ the seeds run side by side as a batch dimension). Its gradient w.r.t. W_t for on
 so the `logit` weight Σ_t ‖e_{y_t} − p_t‖² is the exact squared gradient norm up to the per-prompt factor ‖x‖² + 1,
 which a group's baseline does not see.
 
-Every method uses TRL's default `dapo` loss (token sum over the batch's tokens), Adam (0.9, 0.999) at a constant rate,
-no clipping, n prompts × G completions per step. A method's learning rate is chosen on validation seeds (highest
+Every method uses TRL's default `dapo` loss (token sum over the batch's tokens), Adam (0.9, 0.999), no clipping, n
+prompts × G completions per step. Its learning rate is the trainer's own rule (`estimators.step_rate.StepRateRule`, built
+by `training.step_control.step_rate_rule` from `OBLRPOOptions` fields): the `defaults` arm runs exactly what ships — the
+trust region measuring the peak rate (its KL every 16th step with a gradient, per unit of Adam's update), the
+calibrated SNR factor — on a constant schedule (or TRL's linear decay, `schedule`). The KL of a measured step is taken
+on all of its completions' tokens (the trainer samples 8 completions). A method's learning rate is chosen on validation seeds (highest
 mean area under the held-out curve) from a log-spaced grid; the comparison then runs on fresh test seeds, paired
 (same initial parameters and prompts per seed), with bootstrap 95 % intervals of the paired differences.
 
-    python benchmarks/synthetic_learning.py                  # 20 validation + 100 test seeds, about 2 min on 2 cores
+    python benchmarks/synthetic_learning.py                  # 20 validation + 100 test seeds, 16 min on 2 busy cores
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -38,9 +42,19 @@ from common import RESULTS, bootstrap_ci, markdown_table, new_figure, save_figur
 
 from oblr_trl.estimators.advantages import gradient_weighted_advantages  # noqa: E402
 from oblr_trl.estimators.baselines import PooledSlope  # noqa: E402
-from oblr_trl.estimators.snr import SNRLearningRateController, cross_step_noise_estimate  # noqa: E402
-from oblr_trl.estimators.trust_region import TrustRegionRate, sampled_token_kl  # noqa: E402
+from oblr_trl.estimators.snr import cross_step_noise_estimate  # noqa: E402
+from oblr_trl.estimators.trust_region import sampled_token_kl  # noqa: E402
 from oblr_trl.estimators.weights import length_weights, logit_gradient_sq_norms, uniform_weights  # noqa: E402
+from oblr_trl.training.options import OBLRPOOptions  # noqa: E402
+from oblr_trl.training.step_control import step_rate_rule  # noqa: E402
+
+# the rate rules, as `OBLRPOOptions` fields over the shipped defaults ({} is what ships)
+CONSTANT_RATE = {"use_snr_lr": False, "lr_trust_region_kl": None}  # the scheduled rate, as TRL's GRPO
+
+
+def calibrated_snr_rate(min_ratio: float = 1.0, max_ratio: float = 2.0) -> dict:
+    """The calibrated SNR factor in [min_ratio, max_ratio], without a trust region."""
+    return {"lr_trust_region_kl": None, "snr_lr_min_ratio": min_ratio, "snr_lr_max_ratio": max_ratio}
 
 
 @dataclass(frozen=True)
@@ -50,33 +64,42 @@ class Method:
     weights: str  # "logit", "length" or "uniform"
     leave_one_out: bool
     scale_rewards: str  # "none" or "group"
-    snr: str | None = None  # None (constant rate), "calibrated" or "absolute"
-    min_ratio: float = 1.0
-    max_ratio: float = 2.0
+    rate: dict = field(default_factory=lambda: dict(CONSTANT_RATE))  # `OBLRPOOptions` fields of the rate rule
     estimator: str = "weighted"  # the estimate of b* (OBLRPOConfig.baseline_estimator); "weighted" for the others
-    trust_region_kl: float | None = None  # δ of the trust region of the step (OBLRPOConfig.lr_trust_region_kl)
-    trust_region_mode: str = "cap"
     description: str = ""
+
+    def rate_options(self) -> OBLRPOOptions:
+        options = OBLRPOOptions(**self.rate)
+        options.validate_options()
+        return options
+
+    @property
+    def has_snr_factor(self) -> bool:
+        return self.rate_options().use_snr_lr
 
 
 METHODS = {
-    "oblrpo": Method("logit", True, "group", "calibrated", estimator="pooled_slope",
-                     description="OBLR-PO defaults: pooled-slope LOO (logit weights), group std scaling (TRL's), "
-                     "calibrated SNR rate in [1, 2]"),
-    "oblrpo-unscaled": Method("logit", True, "none", "calibrated", estimator="pooled_slope",
+    "defaults": Method("logit", True, "group", {}, estimator="pooled_slope",
+                       description="OBLR-PO's defaults as they ship: pooled-slope LOO (logit weights), group std "
+                       "scaling (TRL's), the trust region's peak rate (δ = 0.005 per update, every 16th step), the "
+                       "calibrated SNR factor in [1, 2]"),
+    "oblrpo": Method("logit", True, "group", calibrated_snr_rate(), estimator="pooled_slope",
+                     description="OBLR-PO's defaults before the trust region (2026-11-26): pooled-slope LOO (logit "
+                     "weights), group std scaling (TRL's), calibrated SNR rate in [1, 2]"),
+    "oblrpo-unscaled": Method("logit", True, "none", calibrated_snr_rate(), estimator="pooled_slope",
                               description="the defaults before 2026-11-23: as oblrpo, without std scaling"),
-    "oblrpo-weighted": Method("logit", True, "none", "calibrated",
+    "oblrpo-weighted": Method("logit", True, "none", calibrated_snr_rate(),
                               description="the paper's weighted LOO baseline, calibrated SNR rate, no std scaling"),
     "grpo": Method("uniform", False, "group", description="TRL's GRPO defaults: group mean, group std scaling"),
     "rloo": Method("uniform", True, "none", description="uniform leave-one-out, no scaling"),
     "opo": Method("length", False, "none", description="length-weighted whole-group baseline (verl's OPO)"),
     "oblrpo-no-snr": Method("logit", True, "none", estimator="pooled_slope",
                             description="OBLR-PO's baseline, no std scaling, constant rate"),
-    "oblrpo-absolute": Method("logit", True, "none", "absolute", estimator="pooled_slope",
-                              description="OBLR-PO with the paper-literal rate, no std scaling"),
-    "oblrpo-two-sided": Method("logit", True, "none", "calibrated", 0.5, 2.0, "pooled_slope",
+    "oblrpo-absolute": Method("logit", True, "none", {"lr_trust_region_kl": None, "snr_lr_reference": "absolute"},
+                              estimator="pooled_slope", description="OBLR-PO with the paper-literal rate, no std scaling"),
+    "oblrpo-two-sided": Method("logit", True, "none", calibrated_snr_rate(0.5, 2.0), "pooled_slope",
                                description="calibrated, ratio in [0.5, 2], no std scaling"),
-    "oblrpo-wide": Method("logit", True, "none", "calibrated", 0.25, 4.0, "pooled_slope",
+    "oblrpo-wide": Method("logit", True, "none", calibrated_snr_rate(0.25, 4.0), "pooled_slope",
                           description="calibrated, ratio in [0.25, 4], no std scaling"),
     "rloo-group-scale": Method("uniform", True, "group", description="uniform LOO with group std scaling"),
     "oblrpo-group-scale": Method("logit", True, "group", estimator="pooled_slope",
@@ -130,16 +153,10 @@ def run(method: Method, lrs: torch.Tensor, seeds: list[int], task: Task, teacher
     exp_avg, exp_avg_sq = torch.zeros_like(params), torch.zeros_like(params)
     prompt_gens = [torch.Generator().manual_seed(10_000 + seed) for seed in seeds]
     sample_gen = torch.Generator().manual_seed(20_000 + seeds[0])
-    controllers = [
-        SNRLearningRateController(0.9, 5, 0.1, reference=method.snr, calibration_start=5, calibration_steps=20,
-                                  min_ratio=method.min_ratio, max_ratio=method.max_ratio)
-        for _ in seeds
-    ] if method.snr else None
-    factors = torch.ones(S)
-    # the trainer's rule and its bookkeeping (`StepKLRecorder`, `OptimizerStepControl`), one per seed: the next step's
-    # factor from the curvature KL/lr² of the gradient-driven steps before it, a zero-gradient step never raised
-    rules = [TrustRegionRate(method.trust_region_kl, method.trust_region_mode) for _ in seeds
-             ] if method.trust_region_kl else None
+    # the trainer's rate rule, one per seed, fed as `OptimizerStepControl` feeds it (no learning-rate warm-up here,
+    # so the calibration window opens after `snr_warmup_steps`)
+    options = method.rate_options()
+    rules = [step_rate_rule(options) for _ in seeds]
     previous_grad = None
     slopes = [PooledSlope(0.9) for _ in seeds]  # the trainer's POOLED_SLOPE_DECAY
     curve, lr_trace, factor_trace = [], [], []
@@ -187,36 +204,41 @@ def run(method: Method, lrs: torch.Tensor, seeds: list[int], task: Task, teacher
         loss = -((advantages * token_log_p * mask).sum((1, 2, 3)) / tokens_per_seed).sum()
         (grad,) = torch.autograd.grad(loss, params)
 
-        step_factors = factors.clone()
-        if controllers is not None:
-            flat = grad.reshape(S, -1).double()
-            sq = flat.pow(2).sum(-1)
-            if previous_grad is not None:
-                dots = (flat * previous_grad).sum(-1)
-                for controller, s_q, dot in zip(controllers, sq.tolist(), dots.tolist(), strict=True):
-                    controller.update(cross_step_noise_estimate(s_q, dot, n))
-                factors = torch.tensor([c.factor(n) for c in controllers])
-            previous_grad = flat
         scheduled = lrs * (1.0 - step / task.steps) if schedule == "linear" else lrs
-        lr = scheduled * step_factors
-        if rules is not None:
-            moved = grad.reshape(S, -1).abs().amax(-1) > 0
-            trust = torch.tensor([rule.factor(base) for rule, base in zip(rules, lr.tolist(), strict=True)])
-            lr = lr * torch.where(moved, trust, trust.clamp(max=1.0))
+        for rule, rate, peak in zip(rules, scheduled.tolist(), lrs.tolist(), strict=True):  # on_step_begin
+            rule.begin_step(rate, peak)
+        flat = grad.reshape(S, -1).double()
+        sq = flat.pow(2).sum(-1)
+        grad_norms = sq.sqrt().tolist()
+        factors = torch.tensor([rule.note_grad_norm(norm) for rule, norm in zip(rules, grad_norms, strict=True)])
+        if options.use_snr_lr:  # the step's noise sizes the next step's factor
+            dots = (flat * previous_grad).sum(-1).tolist() if previous_grad is not None else [None] * S
+            for rule, s_q, dot in zip(rules, sq.tolist(), dots, strict=True):
+                rule.observe_noise(None if dot is None else cross_step_noise_estimate(s_q, dot, n), n)
+            previous_grad = flat
+        lr = scheduled * factors
         lr_trace.append(lr)
-        factor_trace.append(step_factors)
+        factor_trace.append(torch.tensor([rule.snr_part for rule in rules]))
         with torch.no_grad():  # Adam, one learning rate per seed
             t = step + 1
             exp_avg.mul_(0.9).add_(grad, alpha=0.1)
             exp_avg_sq.mul_(0.999).addcmul_(grad, grad, value=0.001)
             denom = (exp_avg_sq / (1 - 0.999**t)).sqrt_().add_(1e-8)
             params.sub_(lr.view(S, 1, 1, 1) * (exp_avg / (1 - 0.9**t)) / denom)
-            if rules is not None:  # KL(π_t ‖ π_t+1) on the step's own tokens
-                new_token_log_p = completion_log_probs(
-                    torch.log_softmax(torch.einsum("stvd,snd->sntv", params, x), -1), tokens)
-                for s in moved.nonzero().flatten().tolist():
+            due = [rule.measurements_due(rate, norm) for rule, rate, norm in zip(rules, lr.tolist(), grad_norms,
+                                                                                 strict=True)]
+            new_token_log_p = completion_log_probs(  # KL(π_t ‖ π_t+1) on the step's own tokens
+                torch.log_softmax(torch.einsum("stvd,snd->sntv", params, x), -1), tokens
+            ) if any(d.kl for d in due) else None
+            update_mean_square = (  # of Adam's update per unit rate, m̂ / (√v̂ + ε)
+                (exp_avg / (1 - 0.9**t) / denom).pow(2).mean((1, 2, 3)).tolist() if any(d.update_size for d in due)
+                else [None] * S)
+            for s, (rule, wanted) in enumerate(zip(rules, due, strict=True)):
+                kl = None
+                if wanted.kl:
                     total, count = sampled_token_kl(new_token_log_p[s], token_log_p[s].detach(), mask[s])
-                    rules[s].update(float(total / count), float(lr[s]))
+                    kl = float(total / count)
+                rule.observe_step(float(lr[s]), grad_norms[s], kl, update_mean_square[s] if wanted.update_size else None)
 
     curve = torch.stack(curve, 1)  # (S, evals)
     lr_trace = torch.stack(lr_trace, 1)  # (S, steps)
@@ -291,6 +313,7 @@ def main(argv: list[str] | None = None) -> int:
             "final_minus_grpo": float(final_diff.mean()),
             "final_minus_grpo_ci": bootstrap_ci(final_diff),
             "mean_lr_factor": float(result["mean_factor"].mean()),
+            "mean_lr_over_configured": float(result["mean_lr"].mean()) / best[name],
             "lr_factor_range": [float(result["factor_trace"].min()), float(result["factor_trace"].max())],
             "seeds": len(test),
         }
@@ -299,16 +322,18 @@ def main(argv: list[str] | None = None) -> int:
                      f"{entry['auc_minus_grpo']:+.4f} [{entry['auc_minus_grpo_ci'][0]:+.4f}, {entry['auc_minus_grpo_ci'][1]:+.4f}]",
                      entry["final_acc_mean"],
                      f"{entry['final_minus_grpo']:+.4f} [{entry['final_minus_grpo_ci'][0]:+.4f}, {entry['final_minus_grpo_ci'][1]:+.4f}]",
-                     entry["mean_lr_factor"], f"{entry['lr_factor_range'][0]:.2f}–{entry['lr_factor_range'][1]:.2f}"])
+                     entry["mean_lr_factor"], f"{entry['lr_factor_range'][0]:.2f}–{entry['lr_factor_range'][1]:.2f}",
+                     entry["mean_lr_over_configured"]])
 
     sweep_rows = [[name, *[sweep[name][lr] for lr in args.lrs]] for name in args.methods]
     markdown = (
         f"## Synthetic learning testbed ({len(test)} paired test seeds, {task.steps} steps, "
         f"{task.prompts_per_step} prompts × {task.group_size} completions a step)\n\n"
         "Each method at its own best learning rate (chosen on validation seeds). AUC: mean held-out greedy score over "
-        "the run; differences are paired against `grpo` with bootstrap 95 % intervals.\n\n"
+        "the run; differences are paired against `grpo` with bootstrap 95 % intervals. The rate used is the "
+        "configured one × the schedule (constant) × the SNR factor × the trust region's factor (`defaults`).\n\n"
         + markdown_table(["method", "best lr", "AUC", "AUC − grpo [95 % CI]", "final score", "final − grpo [95 % CI]",
-                          "mean lr factor", "factor range"], rows)
+                          "mean SNR factor", "SNR factor range", "mean rate ÷ configured"], rows)
         + "\n\n### Learning-rate sweep (validation AUC)\n\n"
         + markdown_table(["method", *[str(lr) for lr in args.lrs]], sweep_rows)
     )
@@ -319,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, result in results.items():
         mean = result["curve"].mean(0)
         curves.plot(steps, mean.tolist(), label=f"{name} (lr {best[name]:.3g})")
-        if name.startswith("oblrpo") and METHODS.get(name, constant).snr:
+        if METHODS.get(name, constant).has_snr_factor:
             factors.plot(result["factor_trace"].mean(0).tolist(), label=name)
     curves.set(xlabel="step", ylabel="held-out greedy score", title=f"mean of {len(test)} seeds")
     curves.legend(fontsize=7)

@@ -24,6 +24,7 @@ _PUBLIC = {
     "BiasCorrectedEMA": "estimators.snr",
     "NoiseEstimate": "estimators.snr",
     "SNRLearningRateController": "estimators.snr",
+    "StepRateRule": "estimators.step_rate",
     "per_sample_noise_estimate": "estimators.snr",
     "snr_lr_factor": "estimators.snr",
     "two_batch_noise_estimate": "estimators.snr",

@@ -63,12 +63,12 @@ class StepRecorder(TrainerCallback):
             optimizer.register_step_pre_hook(self._record_lr)
             self.hooked = optimizer
             self.initial = self._snapshot()
-            control = self.trainer.step_control
-            scale = control.lr_scale
+            rule = self.trainer.step_rate
+            scale = self.trainer.step_control.lr_scale
             log = scale.on_scaled
 
             def recording_log(scheduled, factor):
-                self.logged.append((scheduled, factor, control.snr_part, control.trust_part))
+                self.logged.append((scheduled, factor, rule.snr_part, rule.trust_part))
                 log(scheduled, factor)
 
             scale.on_scaled = recording_log

@@ -92,7 +92,7 @@ def assert_rates_reach_the_optimizer(result: dict) -> None:
     # the KL measured on the first step with a gradient (the probe) and the next one (whose reading replaces the
     # probe's in the peak form), then 2, 4, 8, … steps with a gradient apart up to every k-th (per update), on every
     # backend alike; a zero-gradient step is never measured when k > 1; with no warm-up the probe moves the policy,
-    # so the measuring until one has (`StepKLRecorder._due`) ends there
+    # so the measuring until one has (`StepRateRule._kl_due`) ends there
     steps = [log for log in result["log_history"] if "loss" in log]
     every = trust["measure_steps"]
     with_gradient = [i for i, log in enumerate(steps) if every == 1 or log["grad_norm"] > 0]

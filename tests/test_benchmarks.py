@@ -383,10 +383,12 @@ def test_variance_noise_to_signal_ignores_the_whole_group_shrinkage():
 
 def test_synthetic_learning_smoke(tmp_path):
     out = run("synthetic_learning.py", "--validation_seeds", "2", "--test_seeds", "3", "--steps", "30", "--lrs", "0.03",
-              "0.1", "--methods", "oblrpo", "grpo", "oblrpo-absolute", "--output_dir", str(tmp_path))
+              "0.1", "--methods", "defaults", "oblrpo", "grpo", "oblrpo-absolute", "--output_dir", str(tmp_path))
     summary = json.loads((tmp_path / "summary.json").read_text())
     methods = summary["methods"]
-    assert {"oblrpo", "grpo", "oblrpo-absolute", "oblrpo-constant-control"} <= set(methods)
+    assert {"defaults", "oblrpo", "grpo", "oblrpo-absolute", "oblrpo-constant-control"} <= set(methods)
+    assert methods["grpo"]["mean_lr_over_configured"] == pytest.approx(1.0)
+    assert methods["defaults"]["mean_lr_over_configured"] != pytest.approx(1.0)  # the trust region moved the rate
     for entry in methods.values():
         assert {"best_lr", "auc_mean", "auc_ci", "final_acc_mean", "final_acc_ci", "mean_lr_factor", "seeds"} <= set(entry)
         assert entry["auc_ci"][0] <= entry["auc_mean"] <= entry["auc_ci"][1] and entry["seeds"] == 3
@@ -407,7 +409,9 @@ def test_synthetic_trust_region_probes_then_sizes_the_step_by_delta(monkeypatch)
     targets = synthetic.teacher_targets(task, held_out, teacher)
 
     def lrs(delta):
-        method = replace(synthetic.METHODS["grpo"], trust_region_kl=delta, trust_region_mode="target")
+        method = replace(synthetic.METHODS["grpo"], rate={
+            "use_snr_lr": False, "lr_trust_region_kl": delta, "lr_trust_region_mode": "target",
+            "lr_trust_region_curvature": "per_rate", "lr_trust_region_measure_steps": 1})
         return synthetic.run(method, torch.full((2,), 0.1), [0, 1], task, teacher, held_out, targets)["lr_trace"]
 
     plain = synthetic.run(synthetic.METHODS["grpo"], torch.full((2,), 0.1), [0, 1], task, teacher, held_out,
@@ -418,6 +422,28 @@ def test_synthetic_trust_region_probes_then_sizes_the_step_by_delta(monkeypatch)
     # one measurement of the same probe step: η_δ ∝ sqrt(δ), so 100× δ is 10× the rate (both inside [0.001, 1])
     assert ((small[:, 1] > 1e-3) & (large[:, 1] < 1.0)).all()
     assert torch.allclose(large[:, 1] / small[:, 1], torch.full((2,), 10.0), rtol=1e-4)
+
+
+def test_the_synthetic_defaults_run_the_rule_that_ships(monkeypatch):
+    """The testbed's `defaults` arm is `OBLRPOOptions()` through the trainer's own rule: the probe at 0.01 × the
+    configured rate, the step after it measured too (the peak form's provisional reading), then sized by δ."""
+    import torch
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import synthetic_learning as synthetic
+
+    from oblr_trl.training.options import OBLRPOOptions
+
+    assert synthetic.METHODS["defaults"].rate_options() == OBLRPOOptions()
+    task = synthetic.Task(steps=4, eval_every=4)
+    teacher = torch.randn(task.length, task.vocab, task.dim, generator=torch.Generator().manual_seed(0))
+    held_out = torch.randn(8, task.dim, generator=torch.Generator().manual_seed(1))
+    targets = synthetic.teacher_targets(task, held_out, teacher)
+    lrs = synthetic.run(synthetic.METHODS["defaults"], torch.full((2,), 0.1), [0, 1], task, teacher, held_out,
+                        targets)["lr_trace"]
+    assert torch.allclose(lrs[:, 0], torch.full((2,), 1e-3))  # the probe, SNR factor 1
+    assert ((lrs[:, 1:] >= 1e-3 - 1e-9) & (lrs[:, 1:] <= 1.0 + 1e-6)).all()  # within [0.01, 10] × 0.1
+    assert not torch.allclose(lrs[:, 1], lrs[:, 0]) and not torch.allclose(lrs[:, 2], lrs[:, 1])
 
 
 def test_set_reads_numbers_in_any_notation():
@@ -682,11 +708,11 @@ def test_the_grid_reports_the_defaults_from_the_trust_region_runs_that_are_them(
 
     assert grid_methods(["grpo", "oblrpo", twin], A_PLUS_B) == ["grpo", twin]
     assert grid_methods(["grpo", "oblrpo"], A_PLUS_B) == ["grpo", "oblrpo"]
-    # the synthetic testbed's `oblrpo` predates the trust region, and it has no peak form per update: its summary says
-    # that none of its methods is the defaults
+    # the stability grid's testbed `oblrpo` predates the trust region, and the grid has no arm of the shipped rule: its
+    # summary says that none of its methods is the defaults, and where they run
     from stability import synthetic_defaults_line
 
-    assert "are none of the testbed's methods" in synthetic_defaults_line()
+    assert "are none of this grid's methods (the testbed's `defaults` arm" in synthetic_defaults_line()
 
 
 def test_each_problem_set_has_its_own_results_folder_and_a_plus_b_decides():

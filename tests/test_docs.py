@@ -134,3 +134,35 @@ def test_defaults_quoted_in_prose_are_the_codes(page):
         for found in re.findall(pattern, page.read_text()):
             found = found if isinstance(found, tuple) else (found,)
             assert [float(value) for value in found] == [float(v) for v in expected(defaults)], (page.name, pattern)
+
+
+def test_the_delta_recipe_of_the_rate_rule_gets_the_committed_delta_from_the_committed_runs():
+    """docs/rate_rule.md's three steps, followed literally on the committed δ runs of a + b (the defaults without the
+    trust region at GRPO's best rate, validation seeds, every step logged): the median of each gradient step's KL
+    scaled by (configured ÷ logged `learning_rate`)² is the committed one, and rounds to the δ that ships. Scaling by
+    the logged `learning_rate` ÷ `oblr/lr` instead (the recipe as it read before) gives a δ 4× too small."""
+    import json
+    import statistics
+
+    from oblr_trl import OBLRPOConfig
+
+    recipe = (ROOT / "docs" / "rate_rule.md").read_text()
+    assert "`logging_steps=1`" in recipe and "whose `grad_norm` is not 0" in recipe
+    assert "η_peak the `learning_rate` you configured, η the logged `learning_rate` of that step" in recipe
+    results = ROOT / "benchmarks" / "results" / "stability"
+    committed = json.loads((results / "summary.json").read_text())["trust_region_delta"]
+    runs = [json.loads(path.read_text()) for path in sorted((results / "runs").glob("validation-oblrpo-kl-*.json"))]
+    assert [r["seed"] for r in runs] == committed["seeds"] and {r["learning_rate"] for r in runs} == {committed["rate"]}
+    scaled, unscaled = [], []
+    for run in runs:
+        traces = run["traces"]
+        used = traces.get("oblr/lr") or traces["snr/effective_lr"]
+        for kl, logged, grad_norm, rate in zip(traces["oblr/step_kl"], traces["learning_rate"], traces["grad_norm"],
+                                                used, strict=True):
+            if grad_norm != 0 and kl == kl and logged > 0:
+                scaled.append(kl * (run["learning_rate"] / logged) ** 2)
+                unscaled.append(kl * (logged / rate) ** 2)
+    delta = statistics.median(scaled)
+    assert delta == pytest.approx(committed["step_kl_at_peak_quartiles"][1], rel=1e-12)
+    assert float(f"{delta:.0e}") == OBLRPOConfig.lr_trust_region_kl == 0.005
+    assert statistics.median(unscaled) < delta / 3  # 1.2e-3: what the recipe gave as it read before

@@ -76,10 +76,11 @@ def test_the_module_finder_sees_what_the_package_imports():
     assert {"training.config", "training.trainer", "training.model_card", "training.models", "tasks"} <= _imports(
         "cli", False
     )
-    assert {"estimators.advantages", "estimators.snr", "training.models", "training.completion_weights"} <= _imports(
+    assert {"estimators.advantages", "estimators.baselines", "training.models", "training.completion_weights"} <= _imports(
         "training.trainer", False
     )
     assert _imports("estimators.trust_region", False) == {"estimators.choices", "estimators.snr"}
+    assert _imports("estimators.step_rate", False) == {"estimators.snr", "estimators.trust_region"}
 
 
 def test_no_import_cycle_in_the_package():
@@ -132,6 +133,19 @@ def test_nothing_the_trainer_imports_imports_the_trainer_back():
     back = sorted(module for module in seen if "training.trainer" in _imports(module, True))
     assert not back, f"{back} import the trainer back"
     assert "training.trainer" not in seen
+
+
+def test_the_recorders_measure_and_only_the_step_control_applies_the_rate_rule():
+    """The rate of a step is decided in `estimators.step_rate` alone: the recorders neither import the rule's parts
+    nor one another, and the step control never imports a recorder (it is handed the KL measurement as a function)."""
+    parts = {"estimators.snr", "estimators.trust_region", "estimators.step_rate"}
+    recorders = {"training.step_kl", "training.step_noise"}
+    for module in recorders:
+        assert not _imports(module, True) & (recorders | {"training.step_control"}), module
+        assert "estimators.step_rate" not in _imports(module, True), module
+    assert not _imports("training.step_control", True) & recorders
+    assert {"estimators.step_rate", "estimators.trust_region"} <= _imports("training.step_control", True)
+    assert not _imports("training.step_kl", True) & (parts - {"estimators.trust_region"})  # k3 only
 
 
 def _private_trainer_accesses(tree: ast.AST) -> list[str]:

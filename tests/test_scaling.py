@@ -113,7 +113,7 @@ def test_resume_continues_exactly(make_trainer, tmp_path):
     first.train()
     checkpoint = tmp_path / "split" / "checkpoint-3"
     state = json.loads((checkpoint / "oblr_state.json").read_text())
-    assert state["snr_controller"]["trace_cov"]["count"] == 2  # steps 2 and 3; step 1 had no pair
+    assert state["step_rate"]["snr"]["trace_cov"]["count"] == 2  # steps 2 and 3; step 1 had no pair
     assert (checkpoint / "oblr_gradient_sketch.pt").exists()
     second = make_trainer(output_dir=str(tmp_path / "split"), **common)
     second.train(resume_from_checkpoint=str(checkpoint))
@@ -417,13 +417,13 @@ def test_one_decision_and_one_log_per_step_when_the_optimizer_steps_once_per_par
     trainer.create_optimizer()
     optimizer = innermost_optimizer(trainer.optimizer)
     assert len(optimizer.param_groups) == 2  # decay / no decay, as the Trainer builds them
-    trainer.snr_recorder.next_factor = 0.5
+    trainer.step_rate.next_snr_factor = 0.5
     trainer.step_control.begin_step()
     optimizer.step()
     optimizer.step()
     assert trainer._metrics["train"]["snr/lr_factor"] == [0.5]
 
-    trainer.snr_recorder.next_factor = float("nan")
+    trainer.step_rate.next_snr_factor = float("nan")
     trainer.step_control.begin_step()
     optimizer.step()
     trainer.step_control.factor = 0.5  # the decision was taken at the step's first call and holds for the whole step

@@ -6,7 +6,6 @@ from collections import defaultdict
 import pytest
 import torch
 
-from oblr_trl.estimators.snr import SNRLearningRateController
 from oblr_trl.training.step_noise import StepNoiseRecorder
 
 
@@ -14,8 +13,7 @@ def _recorder(sharded: bool, gradients_in_grad: bool = True) -> tuple[StepNoiseR
     with torch.random.fork_rng():
         torch.manual_seed(0)
         layer = torch.nn.Linear(3, 2)
-    controller = SNRLearningRateController(0.9, 1, 0.1, reference="absolute")
-    recorder = StepNoiseRecorder(list(layer.parameters()), controller, "cross_step", 2, sharded=sharded,
+    recorder = StepNoiseRecorder(list(layer.parameters()), "cross_step", 2, sharded=sharded,
                                  gradients_in_grad=gradients_in_grad)
     return recorder, layer
 

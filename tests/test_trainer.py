@@ -405,8 +405,8 @@ def test_default_config_trains_with_one_micro_batch_and_without_args(tmp_path, t
     trainer.train()
     assert trainer.state.global_step == trainer.state.max_steps >= 2
     # every step after the first was paired with its predecessor and measured
-    assert trainer.snr_controller.grad_sq_norm.count == trainer.state.max_steps - 1
-    assert math.isfinite(trainer.snr_controller.bound_factor(1))
+    assert trainer.step_rate.snr.grad_sq_norm.count == trainer.state.max_steps - 1
+    assert math.isfinite(trainer.step_rate.snr.bound_factor(1))
 
 
 def test_builtin_model_ids_work_from_python(tmp_path, tokenizer, monkeypatch, prompt_dataset):
@@ -505,7 +505,7 @@ def test_calibrated_factor_moves_the_rate_once_the_reference_is_resolved(make_tr
     probe = LearningRateProbe()
     trainer = make_trainer(callbacks=[probe], max_steps=7, snr_warmup_steps=0, snr_calibration_steps=2,
                            snr_lr_min_ratio=0.5, snr_lr_max_ratio=2.0, snr_ema_decay=0.0, lr_trust_region_kl=None)
-    trainer.snr_controller.calibration.min_t = -math.inf
+    trainer.step_rate.snr.calibration.min_t = -math.inf
     probe.trainer = trainer
     trainer.train()
     logged = [h for h in trainer.state.log_history if "loss" in h]
@@ -572,7 +572,8 @@ def test_weights_take_the_loss_types_per_completion_gain(make_trainer, loss_type
 def test_snr_options_reach_the_controller(make_trainer):
     trainer = make_trainer(snr_lr_reference="calibrated", snr_calibration_steps=7, snr_lr_min_ratio=0.3,
                            snr_lr_max_ratio=3.5, snr_warmup_steps=2)
-    controller = trainer.snr_controller
+    controller = trainer.step_rate.snr
     assert (controller.reference, controller.calibration.steps) == ("calibrated", 7)
     assert (controller.min_ratio, controller.max_ratio, controller.calibration.start) == (0.3, 3.5, 2)
-    assert make_trainer(snr_lr_reference="absolute").snr_controller.reference == "absolute"
+    assert make_trainer(snr_lr_reference="absolute").step_rate.snr.reference == "absolute"
+    assert make_trainer(use_snr_lr=False).step_rate.snr is None

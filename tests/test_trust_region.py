@@ -216,12 +216,11 @@ def _record(sample_size, batches, counts=None, process_index=0, seed=0):
 
     # gather: every process's [row count, widths agree]; the others' stand-in counts, this process's flag for all
     gather = (lambda t: torch.tensor([[c, t[1]] for c in counts]).flatten()) if counts is not None else (lambda t: t)
-    recorder = StepKLRecorder(None, token_log_probs, reduce_sum, sample_size, gather, process_index, seed)
+    recorder = StepKLRecorder(token_log_probs, reduce_sum, sample_size, gather, process_index, seed)
     for batch, old, mask in batches:
         recorder.keep(batch, old, mask)
-    metrics = {"oblr/step_kl": []}
-    recorder.after_step(1e-3, metrics)
-    return metrics["oblr/step_kl"][0], forwarded, local["sums"], recorder
+    kl = recorder.after_step(True)
+    return kl, forwarded, local["sums"], recorder
 
 
 def _k3(batch, old, mask, rows):
@@ -267,7 +266,7 @@ def test_every_process_forwards_as_many_rows_as_the_one_that_drew_most():
 
     one = [_micro_batch(4, seed=0), _micro_batch(4, seed=1)]
     for seed in range(6):
-        drawn = StepKLRecorder(None, lambda b: b["new"], lambda s: s, 5, lambda t: t, 0, seed)._drawn_rows(one)[0]
+        drawn = StepKLRecorder(lambda b: b["new"], lambda s: s, 5, lambda t: t, 0, seed)._drawn_rows(one)[0]
         per_process = [int(drawn[0].sum()), int(drawn[1].sum())]
         for rank in (0, 1):
             _, forwarded, sums, _ = _record(5, [one[rank]], counts=[4, 4], process_index=rank, seed=seed)
@@ -286,95 +285,21 @@ def test_the_sample_is_the_same_in_any_process_layout_and_resumes_with_the_run()
     total = sum(_record(3, [one[rank]], counts=[4, 4], process_index=rank)[2] for rank in (0, 1))
     assert total[1].item() == single_sums[1].item()
     assert (total[0] / total[1]).item() == pytest.approx(single_kl, rel=1e-6)
-    resumed = StepKLRecorder(None, lambda b: b["new"], lambda s: s, 3, lambda t: t)
+    resumed = StepKLRecorder(lambda b: b["new"], lambda s: s, 3, lambda t: t)
     resumed.load_state_dict(json.loads(json.dumps(recorder.state_dict())))
     assert resumed.measured_steps == recorder.measured_steps == 1
 
 
-def test_measuring_every_k_th_step_measures_the_first_and_every_k_th_step_with_a_gradient():
-    """k = 3: the first step and every third step with a gradient after the last one measured run the forward and
-    fold their KL into the rule; a step with a zero gradient is neither measured nor counted; every step logs the rate
-    it leaves for the next; the cadence is checkpointed."""
-    from collections import defaultdict
-
+def test_a_step_is_measured_only_when_asked_and_its_micro_batches_are_forgotten_either_way():
     from oblr_trl.training.step_kl import StepKLRecorder
 
     forwards = []
-
-    def token_log_probs(batch):
-        forwards.append(batch["row_id"][0].item())
-        return batch["new"]
-
-    def run(recorder, grad_norms, first_step):
-        measured = []
-        for step, grad_norm in enumerate(grad_norms, start=first_step):
-            metrics, before = defaultdict(list), len(forwards)
-            recorder.keep(*_micro_batch(4, seed=step))
-            recorder.after_step(1e-3, metrics, grad_norm)
-            measured.append(len(forwards) > before)
-            assert len(metrics["oblr/trust_region_rate"]) == 1
-            assert len(metrics["oblr/step_kl"]) == int(measured[-1])
-        return measured
-
-    rule = TrustRegionRate(1e-3, ema_decay=0.5)
-    recorder = StepKLRecorder(rule, token_log_probs, lambda s: s, measure_every=3)
-    assert run(recorder, [1.0, 1.0, 1.0, 1.0, 0.0, 1.0], 0) == [True, False, False, True, False, False]
-    assert rule.curvature.count == 2 and forwards == [0, 300]
-    resumed = StepKLRecorder(copy.deepcopy(rule), token_log_probs, lambda s: s, measure_every=3)
-    resumed.load_state_dict(json.loads(json.dumps(recorder.state_dict())))
-    assert run(resumed, [1.0, 1.0, 1.0], 6) == [False, True, False]  # step 5 was counted before the save: 7 is due
-    every = StepKLRecorder(TrustRegionRate(1e-3), token_log_probs, lambda s: s)
-    assert run(every, [1.0, 0.0, 1.0], 9) == [True, True, True]  # k = 1: every step, zero gradients too (logged)
-    with pytest.raises(ValueError, match="measure_every"):
-        StepKLRecorder(rule, token_log_probs, lambda s: s, measure_every=0)
-
-
-def test_measuring_every_k_th_step_measures_every_step_until_one_has_moved_the_policy():
-    """A warm-up that starts at rate 0 moves nothing on its first step, so that measurement gives no curvature: the
-    next steps with a gradient are measured until one has (the probe's factor would otherwise stay for k steps), and
-    the cadence of every k-th step starts from there."""
-    from collections import defaultdict
-
-    from oblr_trl.training.step_kl import StepKLRecorder
-
-    rule = TrustRegionRate(1e-3, ema_decay=0.5)
-    recorder = StepKLRecorder(rule, lambda batch: batch["new"], lambda s: s, measure_every=4)
-    measured, factors = [], []
-    for step, (lr, grad_norm) in enumerate([(0.0, 1.0), (0.0, 1.0), (1e-3, 0.0), (1e-3, 1.0), (1e-3, 1.0),
-                                            (1e-3, 1.0), (1e-3, 1.0), (1e-3, 1.0)]):
-        metrics = defaultdict(list)
-        recorder.keep(*_micro_batch(4, seed=step))
-        recorder.after_step(lr, metrics, grad_norm)
-        measured.append(bool(metrics["oblr/step_kl"]))
-        factors.append(rule.factor(1e-3))
-    # rate 0 twice (measured, no curvature), a zero gradient (never measured), the first move, then every 4th
-    assert measured == [True, True, False, True, False, False, False, True]
-    assert factors[:3] == [rule.min_ratio] * 3 and factors[3] != rule.min_ratio
-    assert rule.curvature.count == 2
-
-
-@pytest.mark.parametrize("short_early_gaps", [True, False])
-def test_with_short_early_gaps_the_gaps_between_measurements_double_up_to_every_k_th_step(short_early_gaps):
-    """With short early gaps (the per-update curvature) the gaps between measured steps with a gradient are 1, 2,
-    4, … after the first reading and then k: the curvature falls fastest early in a run, so the readings come often
-    while it does. Without, every k-th (the peak form's provisional probe measures the step after it either way)."""
-    from collections import defaultdict
-
-    from oblr_trl.training.step_kl import StepKLRecorder
-
-    cases = (((16, [0, 1, 3, 7, 15, 31, 47]), (4, [0, 1, 3, 7, 11, 15, 19, 23, 27, 31, 35, 39, 43, 47]))
-             if short_early_gaps else ((16, [0, 1, 17, 33]), (4, [0, 1, 5, 9, 13, 17, 21, 25, 29, 33, 37, 41, 45])))
-    for k, expected in (*cases, (1, list(range(48)))):
-        recorder = StepKLRecorder(TrustRegionRate(1e-3, "peak"), lambda batch: batch["new"], lambda s: s,
-                                  measure_every=k, short_early_gaps=short_early_gaps)
-        measured = []
-        for step in range(48):
-            metrics = defaultdict(list)
-            recorder.keep(*_micro_batch(4, seed=step))
-            recorder.after_step(1e-3, metrics, 1.0)
-            if metrics["oblr/step_kl"]:
-                measured.append(step)
-        assert measured == expected, k
+    recorder = StepKLRecorder(lambda batch: forwards.append(1) or batch["new"], lambda s: s)
+    recorder.keep(*_micro_batch(4, seed=0))
+    assert recorder.after_step(False) is None and not forwards
+    assert recorder.after_step(True) is None and not forwards  # nothing kept since: nothing to measure
+    recorder.keep(*_micro_batch(4, seed=1))
+    assert recorder.after_step(True) > 0 and forwards == [1] and recorder.measured_steps == 1
 
 
 def test_the_draw_of_each_step_is_uniform_over_the_steps_completions():
@@ -382,7 +307,7 @@ def test_the_draw_of_each_step_is_uniform_over_the_steps_completions():
 
     batches = [_micro_batch(4, seed=0), _micro_batch(4, seed=1)]
     counts = torch.zeros(8)
-    recorder = StepKLRecorder(None, lambda b: b["new"], lambda s: s, 2, lambda t: t, 0, seed=3)
+    recorder = StepKLRecorder(lambda b: b["new"], lambda s: s, 2, lambda t: t, 0, seed=3)
     for _ in range(2000):
         drawn, _ = recorder._drawn_rows(batches)
         counts += torch.cat(drawn).float()
@@ -604,7 +529,7 @@ def test_each_trust_region_option_changes_the_factor(make_trainer):
     off.train()
     assert off.kl_recorder is None and _factors(off) == [None] * 3
     default = make_trainer(**common)  # the peak with δ = 0.005 per update: the probe, then the measured KL's factor
-    rule = default.kl_recorder.rule
+    rule = default.step_rate.trust_region
     assert (rule.target_kl, rule.mode, rule.per_update) == (0.005, "peak", True)
     default.train()
     assert _factors(default)[0] == 0.01 and all(0.01 <= g <= 10.0 for g in _factors(default))
@@ -620,7 +545,7 @@ def test_each_trust_region_option_changes_the_factor(make_trainer):
     raised.train()
     assert _factors(raised)[1:] == [3.0, 3.0]  # target: the too-low rate is raised, to its bound
     smoothed = make_trainer(lr_trust_region_kl=1e-6, lr_trust_region_ema_decay=0.9, **common)
-    assert smoothed.kl_recorder.rule.curvature.decay == 0.9
+    assert smoothed.step_rate.trust_region.curvature.decay == 0.9
     measured = make_trainer(log_step_kl=True, lr_trust_region_kl=None, **common)
     measured.train()
     assert all(h["oblr/step_kl"] > 0 for h in measured.state.log_history if "loss" in h)
@@ -644,7 +569,8 @@ def test_a_sample_size_measures_the_step_on_that_many_completions(make_trainer):
             rows.append(0)
             return after_step(*args, **kwargs)
 
-        recorder.token_log_probs, recorder.after_step = count, measured_step
+        recorder.token_log_probs = count
+        trainer.step_control.step_kl = lambda measure: measured_step(measure) if measure else after_step(measure)
         return trainer
 
     common = dict(max_steps=3, lr_scheduler_type="constant", use_snr_lr=False, lr_trust_region_measure_steps=1)
@@ -673,7 +599,7 @@ def test_measure_steps_measures_every_k_th_step_of_training(make_trainer):
     measurement set (constant schedule, no SNR factor: the same factor)."""
     trainer = make_trainer(lr_trust_region_measure_steps=2, max_steps=5, lr_scheduler_type="constant",
                            use_snr_lr=False, lr_trust_region_mode="target", lr_trust_region_curvature="per_rate")
-    assert trainer.kl_recorder.measure_every == 2
+    assert trainer.step_rate.measure_every == 2
     trainer.train()
     logged = [h for h in trainer.state.log_history if "loss" in h]
     assert all(h["grad_norm"] > 0 for h in logged)  # every step has a gradient: the cadence is 1, 3, 5
@@ -709,10 +635,26 @@ def test_resume_restores_the_trust_region(make_trainer, tmp_path):
     first.train()
     state = json.loads((tmp_path / "split" / "checkpoint-2" / "oblr_state.json").read_text())
     # the defaults' peak form: the probe's reading is replaced by step 2's, which is the one reading folded in
-    assert state["step_kl"]["trust_region"]["curvature"]["count"] == 1
+    assert state["step_rate"]["trust_region"]["curvature"]["count"] == 1
     second = make_trainer(output_dir=str(tmp_path / "split"), **common)
     second.train(resume_from_checkpoint=str(tmp_path / "split" / "checkpoint-2"))
     resumed = _factors(second)  # the log history of steps 1-2 comes back with the checkpoint
     assert len(resumed) == 5 and resumed[:2] == _factors(first)
     assert resumed[2] != 0.01  # step 3's factor comes from the restored curvature, not a new probe
     assert resumed == pytest.approx(_factors(straight), rel=1e-5)
+
+
+def test_a_checkpoint_without_the_rules_state_resumes_with_a_warning_and_a_new_probe(make_trainer, tmp_path):
+    """A checkpoint of an older version carries no `step_rate`: the resume says so and the rule probes again."""
+    from test_scaling import StopAt
+
+    common = dict(max_steps=3, save_strategy="steps", save_steps=2, use_snr_lr=False, lr_scheduler_type="constant",
+                  lr_trust_region_measure_steps=1, output_dir=str(tmp_path))
+    make_trainer(callbacks=[StopAt(2)], **common).train()
+    path = tmp_path / "checkpoint-2" / "oblr_state.json"
+    state = json.loads(path.read_text())
+    path.write_text(json.dumps({key: value for key, value in state.items() if key != "step_rate"}))
+    resumed = make_trainer(**common)
+    with pytest.warns(UserWarning, match="no `step_rate`.*new probe"):
+        resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    assert _factors(resumed)[2] == 0.01  # step 3 probes again

@@ -14,7 +14,8 @@ import torch
 from .baselines import gradient_weighted_baseline, pooled_slope_baseline, shrunk_baseline
 
 __all__ = [
-    "AdvantageResult", "aggregate_rewards", "gradient_weighted_advantages", "nanstd", "rows_whose_weights_matter",
+    "AdvantageResult", "advantage_summary", "aggregate_rewards", "gradient_weighted_advantages", "nanstd",
+    "rows_whose_weights_matter",
 ]
 
 SCALE_EPS = 1e-4  # the epsilon TRL adds to the standard deviation when it scales rewards
@@ -167,3 +168,29 @@ def gradient_weighted_advantages(
         fallback=result.fallback.reshape(-1),
         scored=torch.isfinite(rewards),
     )
+
+
+def advantage_summary(result: AdvantageResult, weights: torch.Tensor, group_size: int) -> dict[str, float]:
+    """What a generation batch's advantages and weights look like, for the log: the share of completions that could
+    not be scored (``unscorable_frac``), and over the scored ones the mean baseline, the advantages' mean and
+    (population) standard deviation, the share whose leave-one-out weights fell back to the uniform mean
+    (``loo_fallback_frac``), the mean finite weight (``weights/mean``) and the mean over groups of the largest ÷ the
+    smallest weight (``weights/group_max_min_ratio``, groups with a positive smallest weight); docs/metrics.md."""
+    scored = result.scored
+    summary = {"unscorable_frac": 1.0 - scored.float().mean().item()}
+    if not scored.any():
+        return summary
+    summary["baseline_mean"] = torch.nanmean(result.baseline).item()
+    summary["advantage_mean"] = result.advantages[scored].mean().item()
+    summary["advantage_std"] = result.advantages[scored].std(unbiased=False).item()
+    summary["loo_fallback_frac"] = result.fallback[scored].float().mean().item()
+    usable = scored & torch.isfinite(weights)
+    if usable.any():
+        summary["weights/mean"] = weights[usable].mean().item()
+    grouped = torch.where(usable, weights, torch.full_like(weights, float("nan"))).view(-1, group_size)
+    largest = torch.nan_to_num(grouped, nan=-torch.inf).amax(dim=1)
+    smallest = torch.nan_to_num(grouped, nan=torch.inf).amin(dim=1)
+    spread = (largest / smallest)[(smallest > 0) & torch.isfinite(largest)]
+    if spread.numel():
+        summary["weights/group_max_min_ratio"] = spread.mean().item()
+    return summary

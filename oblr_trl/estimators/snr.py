@@ -24,6 +24,7 @@ __all__ = [
     "CalibrationWindow",
     "NoiseEstimate",
     "SNRLearningRateController",
+    "SNRReading",
     "cross_step_noise_estimate",
     "gradient_noise_scale",
     "per_sample_noise_estimate",
@@ -232,6 +233,22 @@ class CalibrationWindow:
         self.noise_sum, self.resolved = float(state["noise_sum"]), bool(state["resolved"])
 
 
+@dataclass(frozen=True)
+class SNRReading:
+    """What the SNR controller holds after a step, for the log: the smoothed ‖μ‖² and tr Σ, their ratio, the bound's
+    factor f_t, whether the factor is driven by the measurement, the calibration's t-statistic and reference f_ref
+    (NaN where not known or not calibrated) and the estimates skipped as non-finite."""
+
+    grad_sq_norm: float
+    trace_cov: float
+    snr: float
+    bound_factor: float
+    resolved: bool
+    calibration_t: float
+    reference_factor: float
+    skipped: int
+
+
 class SNRLearningRateController:
     """Smooths per-step noise estimates and turns them into the learning-rate factor (docs/math.md).
 
@@ -320,6 +337,17 @@ class SNRLearningRateController:
             return max(self.floor, self.bound_factor(num_samples))
         ratio = self.bound_factor(num_samples) / self.calibration.reference(num_samples)
         return min(self.max_ratio, max(self.min_ratio, ratio))
+
+    def reading(self, num_samples: float) -> SNRReading:
+        """The controller's state for a step of ``num_samples`` samples (`SNRReading`)."""
+        calibrated = self.reference == "calibrated"
+        return SNRReading(
+            grad_sq_norm=self.grad_sq_norm.value, trace_cov=self.trace_cov.value, snr=self.snr,
+            bound_factor=self.bound_factor(num_samples), resolved=self.resolved,
+            calibration_t=self.calibration.t_statistic if calibrated else float("nan"),
+            reference_factor=self.calibration.reference(num_samples) if calibrated else float("nan"),
+            skipped=self.skipped,
+        )
 
     def state_dict(self) -> dict[str, Any]:
         return {

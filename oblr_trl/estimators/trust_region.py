@@ -48,7 +48,7 @@ parameters by Adam's momentum, m̂/√v̂ with no new gradient in m, a move far 
 rate, so its KL/η² understates the curvature the next gradient step meets: on SmolLM2 (seed 1, 3× the best rate,
 target form) three such steps in a row lowered ĉ 7-fold, the next gradient step ran at 4.9e-4, moved the policy by
 5.7 nats a token and the rewards were 0 for the next 12 steps (CHANGELOG.md). Nor does the target form raise
-such a step above the scheduled rate (`OptimizerStepControl.note_grad_norm`): on SmolLM2 (seed 0, the best rate) five
+such a step above the scheduled rate (`step_rate.StepRateRule.note_grad_norm`): on SmolLM2 (seed 0, the best rate) five
 momentum-only steps at 6–10× the schedule drifted a policy that had learned until it collapsed. Where the gradient
 norm is not known before the step (DeepSpeed computes it inside), such a step keeps its factor.
 

@@ -9,7 +9,7 @@ from trl import GRPOConfig
 
 from .options import TRAINER_VALUE_RULES, OBLRPOOptions, check_one_of, invalid_value
 
-__all__ = ["OBLRPOConfig"]
+__all__ = ["OBLRPOConfig", "check_backend", "deepspeed_fp16"]
 
 SCALE_REWARDS = ("none", "group", "batch")
 MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
@@ -24,6 +24,14 @@ def bf16_available(use_cpu: bool) -> bool:
     from transformers.utils import is_torch_bf16_gpu_available, is_torch_xla_available
 
     return not use_cpu and (is_torch_bf16_gpu_available() or is_torch_xla_available())
+
+
+def deepspeed_fp16(accelerator, args) -> bool:
+    """Whether DeepSpeed runs this job in fp16: the Trainer's fp16, or `fp16.enabled` set in DeepSpeed's own config
+    (the Trainer has resolved "auto" to its fp16 by now)."""
+    plugin = accelerator.state.deepspeed_plugin
+    enabled = (plugin.deepspeed_config.get("fp16") or {}).get("enabled", False) if plugin is not None else False
+    return bool(args.fp16) or enabled is True
 
 
 def check_backend(options: OBLRPOOptions, *, fsdp_version: int | None, deepspeed: bool, deepspeed_fp16: bool) -> None:

@@ -11,9 +11,24 @@ step t+1, whose input is y_t. The last step's token is read from the finished co
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
-__all__ = ["GenerationLogitStats"]
+__all__ = ["GenerationLogitStats", "empty_completions_as_eos"]
+
+
+def empty_completions_as_eos(completion_ids: list, logprobs: list | None, eos: int) -> tuple[list, list | None, int]:
+    """A generator can return no token at all (vLLM at the context limit, a custom rollout); TRL cannot score such
+    a completion. Read it as the model stopping at once: a lone ``eos`` (its sampling log-probability unknown, so no
+    importance-sampling correction). Returns the completions, their log-probabilities and how many were empty."""
+    empty = sum(1 for ids in completion_ids if len(ids) == 0)
+    if not empty:
+        return completion_ids, logprobs, 0
+    warnings.warn(f"{empty} empty completion(s) read as a lone EOS token (counted in oblr/empty_completions).")
+    if logprobs is not None:
+        logprobs = [lp if len(ids) else [None] for ids, lp in zip(completion_ids, logprobs, strict=True)]
+    return [ids if len(ids) else [eos] for ids in completion_ids], logprobs, empty
 
 
 class GenerationLogitStats:

@@ -11,12 +11,13 @@ import gc
 import inspect
 import signal
 import threading
+import warnings
 from collections.abc import Callable
 
 import torch
 
-__all__ = ["PreemptionSignal", "TrainingPreempted", "end_distributed_training", "name_reward_errors",
-           "validate_training_data"]
+__all__ = ["PreemptionSignal", "TrainingPreempted", "check_prompt_lengths", "checked_reward_funcs",
+           "end_distributed_training", "name_reward_errors", "validate_training_data"]
 
 # What TRL passes to every reward function besides the dataset's own columns.
 _TRL_REWARD_KWARGS = {"prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric", "environments"}
@@ -60,6 +61,39 @@ def validate_training_data(dataset, reward_funcs: list, reward_names: list[str],
                 f"Reward function {name!r} needs the argument(s) {missing}, which the training dataset does not have "
                 f"(columns: {sorted(columns)}). Allowed: add the column(s), or give the argument(s) a default."
             )
+
+
+def checked_reward_funcs(reward_funcs, train_dataset, requires_prompt: bool = True) -> list:
+    """Check the data against the reward functions before any model loads; name a reward function that fails."""
+    from trl.trainer.utils import get_callable_name
+
+    funcs = reward_funcs if isinstance(reward_funcs, list) else [] if reward_funcs is None else [reward_funcs]
+    names = [f if isinstance(f, str) else get_callable_name(f) for f in funcs]
+    validate_training_data(train_dataset, [f for f in funcs if not isinstance(f, str)],
+                           [n for f, n in zip(funcs, names, strict=True) if not isinstance(f, str)], requires_prompt)
+    return [
+        f if isinstance(f, (str, torch.nn.Module)) else name_reward_errors(f, name)
+        for f, name in zip(funcs, names, strict=True)
+    ]
+
+
+def check_prompt_lengths(prompt_ids: list, limit: int | None, max_completion_length: int, warn: bool) -> bool:
+    """Refuse a prompt that fills the model's context (``limit`` tokens; None: unknown); with ``warn``, warn once
+    where a prompt plus ``max_completion_length`` exceeds it (TRL generates anyway: rotary models run past
+    max_position_embeddings, degraded). Returns whether it warned."""
+    longest = max((len(ids) for ids in prompt_ids), default=0)
+    if limit is not None and longest >= limit:
+        raise ValueError(
+            f"A prompt of {longest} tokens exceeds the model's context of {limit} tokens: nothing can be generated. "
+            f"Allowed: prompts of fewer than {limit} tokens (filter or truncate the dataset)."
+        )
+    if warn and limit is not None and longest + max_completion_length > limit:
+        warnings.warn(
+            f"A prompt of {longest} tokens plus max_completion_length={max_completion_length} exceeds the "
+            f"model's context of {limit} tokens; completions may be cut or degraded past it."
+        )
+        return True
+    return False
 
 
 def name_reward_errors(func: Callable, name: str) -> Callable:

@@ -309,11 +309,6 @@ class OBLRPOOptions:
             raise invalid_value("lr_trust_region_measure_steps", self.lr_trust_region_measure_steps, "an integer >= 1")
 
     @property
-    def measures_step_kl(self) -> bool:
-        """Whether each step's KL is measured (`log_step_kl`, or a trust region that needs it)."""
-        return self.log_step_kl or self.lr_trust_region_kl is not None
-
-    @property
     def resolved_snr_calibration_steps(self) -> int:
         """`snr_calibration_steps`, or max(20, ⌈2/(1 − β)⌉) when it is None."""
         if self.snr_calibration_steps is not None:

@@ -72,13 +72,15 @@ class RunRecords:
         state: returns the Trainer's current `TrainerState` (a new one each `train()`).
         describe: returns the run's `RunDescription` for the model card.
         pooled_slope: the baseline's pooled slope (`PooledSlope`), saved with each checkpoint.
+        step_rate: the rate rule (`StepRateRule`: what the SNR factor and the trust region measured), saved likewise.
         kl_recorder, snr_recorder: the step-KL and step-noise recorders (None where off), saved likewise.
     """
 
     def __init__(self, args, accelerator, state: Callable[[], Any], describe: Callable[[], RunDescription],
-                 pooled_slope, kl_recorder=None, snr_recorder=None):
+                 pooled_slope, step_rate, kl_recorder=None, snr_recorder=None):
         self.args, self.accelerator, self.state, self.describe = args, accelerator, state, describe
-        self.pooled_slope, self.kl_recorder, self.snr_recorder = pooled_slope, kl_recorder, snr_recorder
+        self.pooled_slope, self.step_rate = pooled_slope, step_rate
+        self.kl_recorder, self.snr_recorder = kl_recorder, snr_recorder
         self.preemption = PreemptionSignal()
         self.preempted_at_step: int | None = None
         self.preemption_checkpoint: str | None = None
@@ -152,6 +154,7 @@ class RunRecords:
         if self.preempted_at_step is not None:
             self._keep_one_preemption_checkpoint(folder)
         state: dict[str, Any] = {"pooled_slope": self.pooled_slope.state_dict(),
+                                 "step_rate": self.step_rate.state_dict(),
                                  "training_seconds": self.training_seconds()}
         if self.kl_recorder is not None:
             state["step_kl"] = self.kl_recorder.state_dict()
@@ -176,9 +179,16 @@ class RunRecords:
         self.seconds_before = float(state.get("training_seconds", 0.0))
         if "pooled_slope" in state:
             self.pooled_slope.load_state_dict(state["pooled_slope"])
+        if "step_rate" in state:
+            self.step_rate.load_state_dict(state["step_rate"])
+        elif self.step_rate.scales_rate:
+            warnings.warn(
+                f"{checkpoint}'s {STATE_FILE} has no `step_rate` (saved by an older version): the SNR averages and the "
+                "trust region's curvature restart from scratch, with a new probe."
+            )
         if self.kl_recorder is not None:
             self.kl_recorder.load_state_dict(state.get("step_kl", {}))
-        if self.snr_recorder is None or "snr_controller" not in state:
+        if self.snr_recorder is None:
             return
         self.snr_recorder.load_state_dict(state)
         sketch_path = os.path.join(checkpoint, SKETCH_FILE)

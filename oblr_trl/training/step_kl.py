@@ -1,21 +1,13 @@
-"""How far each optimizer step moved the policy, and the trust-region factor of the next step (docs/rate_rule.md).
+"""How far each optimizer step moved the policy (docs/rate_rule.md).
 
 [`StepKLRecorder`] is the trainer's collaborator for the step KL, as `StepNoiseRecorder` is for the SNR: the trainer
 hands it each training micro-batch with the log-probabilities the loss computed (the policy before the step; no extra
-forward), and after the optimizer step it runs one no-grad forward of each of the step's micro-batches under the
-updated policy, sums the k3 estimates of KL(π_t ‖ π_{t+1}) and the token counts over processes (one collective), logs
-the mean per token as `oblr/step_kl` and, with a `TrustRegionRate`, folds it into the curvature that sizes the next
-step. With a rule, every step after the probe also logs `oblr/step_kl_target`, the KL the curvature known before the
-step predicted for its rate (δ at the rule's rate), so that what a step aimed at and what it did sit side by side.
+forward), and after the optimizer step, where the rate rule asks for it (`estimators.step_rate.StepRateRule`), it runs
+one no-grad forward of each of the step's micro-batches under the updated policy and sums the k3 estimates of
+KL(π_t ‖ π_{t+1}) and the token counts over processes (one collective): the mean per token is the step's KL.
 
 By default every token of the step counts; it costs one no-grad forward of the step's completions, as TRL's own
-old-log-probability pass does when `num_iterations > 1`. With ``measure_every`` = k > 1 only the first step and every
-k-th step after the last one measured are (k − 1 forwards in k saved), and every step until one has moved the policy
-(a step at rate 0, the first of a warm-up, does not); the rule sizes the steps in between with the curvature it last
-measured (the per-step curvature is mostly noise from one step to the next:
-benchmarks/results/overhead/step_kl_sampling.md). With ``short_early_gaps`` (the `"per_update"` curvature) the steps
-with a gradient 1, 2, 4, … apart are measured before the gap reaches k, because the curvature falls fastest over a
-run's first steps (benchmarks/results/stability/kl_prediction.md). With a sample size n, the forward runs on n of the
+old-log-probability pass does when `num_iterations > 1`. With a sample size n, the forward runs on n of the
 step's completions only, drawn uniformly without replacement over every process's completions of the step (the same draw
 in any process layout: a permutation of the step's global row order seeded by the run's seed and the step), and the
 KL is the mean per token over the sampled completions' tokens. Either way the measurement does not depend on how the
@@ -31,22 +23,20 @@ small bias of that order.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from ..estimators.trust_region import TrustRegionRate, sampled_token_kl
+from ..estimators.trust_region import sampled_token_kl
 
 __all__ = ["StepKLRecorder"]
 
 
 class StepKLRecorder:
-    """The measured KL of each optimizer step and, optionally, the trust-region rule it drives.
+    """The measured KL of an optimizer step, on its completions.
 
     Args:
-        rule: the trust-region rule fed with each step's KL and rate; None to measure and log only.
         token_log_probs: ``batch -> (B, T)`` log-probabilities of the batch's completion tokens under the current
             policy, without gradients (TRL's forward).
         reduce_sum: sums a tensor over processes.
@@ -54,76 +44,35 @@ class StepKLRecorder:
         gather: concatenates a 1-D tensor over processes in process order (needed with ``sample_size``).
         process_index: this process's place in that order.
         seed: seed of the draws (the run's seed).
-        measure_every: k: measure the first step and then every k-th step with a gradient after the last one
-            measured (1: every step; with ``short_early_gaps``, steps 1, 2, 4, … apart first). The rule keeps the
-            curvature it last measured in between; a step whose gradient is zero is not measured when k > 1 (it
-            would not be folded in, `after_step`) and does not count.
-        update_square_sum: ``() ->`` this process's ``[Σ u², count]`` of the optimizer's last update per unit rate
-            (`estimators.trust_region.adam_update_square_sum`; None where the optimizer is not Adam's): its mean over
-            processes is logged as `oblr/update_rms` on every measured step (every step when the rule reads per
-            update) and handed to the rule.
-        short_early_gaps: after the first reading, measure the steps with a gradient 1, 2, 4, … apart until the gap
-            reaches k (`gap`).
     """
 
     def __init__(
         self,
-        rule: TrustRegionRate | None,
         token_log_probs: Callable[[dict[str, Any]], torch.Tensor],
         reduce_sum: Callable[[torch.Tensor], torch.Tensor],
         sample_size: int | None = None,
         gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
         process_index: int = 0,
         seed: int = 0,
-        measure_every: int = 1,
-        update_square_sum: Callable[[], torch.Tensor | None] | None = None,
-        short_early_gaps: bool = False,
     ):
         if sample_size is not None and gather is None:
             raise ValueError("a sample of the step's completions needs `gather` to draw it over every process.")
-        if measure_every < 1:
-            raise ValueError(f"measure_every must be an integer >= 1; got {measure_every}.")
-        self.rule = rule
         self.token_log_probs = token_log_probs
         self.reduce_sum = reduce_sum
         self.sample_size, self.gather, self.process_index, self.seed = sample_size, gather, process_index, seed
         self.measured_steps = 0  # seeds each step's draw; saved with the checkpoint so that a resume draws the same
-        self.measure_every = measure_every
-        self.update_square_sum = update_square_sum
-        self.short_early_gaps = short_early_gaps
-        self.unmeasured_steps = measure_every - 1  # steps with a gradient since the last one measured: the first is due
-        self.readings = 0  # measured gradient steps folded into the rule's curvature: they set the `gap`
         self._batches: list[tuple[dict[str, Any], torch.Tensor, torch.Tensor]] = []
 
     def keep(self, batch: dict[str, Any], log_probs: torch.Tensor, mask: torch.Tensor) -> None:
         """A training micro-batch of this step and its log-probabilities before the step."""
         self._batches.append((batch, log_probs.detach(), mask))
 
-    def after_step(self, lr: float | None, metrics: MutableMapping[str, list], grad_norm: float | None = None) -> None:
-        """The optimizer stepped with rate ``lr`` (None: the step was refused) on a gradient of norm ``grad_norm``
-        (None: unknown): measure and log the step's KL, and fold it into the rule unless the gradient was zero.
-
-        A step whose gradient is zero (every group of the step scored alike, so every advantage is 0) still moves the
-        parameters by the optimizer's momentum, a move much smaller than a gradient step of the same rate; its KL/lr²
-        would understate the curvature the next gradient step meets (`estimators.trust_region`), so it is logged and
-        not folded in."""
+    def after_step(self, measure: bool) -> float | None:
+        """The optimizer step ran: with ``measure``, its KL per token on the kept micro-batches (NaN without a token;
+        None where no micro-batch was kept); the micro-batches are forgotten either way."""
         kept, self._batches = self._batches, []
-        if not kept or lr is None:  # no micro-batch ran, or the step was refused (on every process alike): no move
-            return
-        if self.rule is not None and not self.rule.probing:  # what the curvature known before the step predicted
-            metrics["oblr/step_kl_target"].append(self.rule.aimed_kl(lr))
-        due = self._due(grad_norm)
-        # Adam's update size: every step where the rule reads per update, else only beside a measurement (its
-        # collective and host sync stay off the steps that measure nothing)
-        mean_square = (self._update_mean_square(kept[0][2].device)
-                       if due or (self.rule is not None and self.rule.per_update) else None)
-        if mean_square is not None:
-            metrics["oblr/update_rms"].append(math.sqrt(mean_square))
-            if self.rule is not None and grad_norm != 0.0:  # momentum alone moves less: not the next step's size
-                self.rule.note_update(mean_square)
-        if not due:
-            self._log_rate(metrics)
-            return
+        if not measure or not kept:
+            return None
         with torch.no_grad():
             rows, largest = self._drawn_rows(kept)
             if largest:  # one forward of this process's drawn rows, padded to as many rows as any process has
@@ -143,54 +92,7 @@ class StepKLRecorder:
                     for batch, old, weight in measured]
             total, tokens = self.reduce_sum(torch.stack(sums).sum(0)).tolist()
         self.measured_steps += 1
-        kl = total / tokens if tokens > 0 else float("nan")
-        metrics["oblr/step_kl"].append(kl)
-        if self.rule is not None and grad_norm != 0.0 and self.rule.update(kl, lr) and not self.rule.probing:
-            self.readings += 1
-        self._log_rate(metrics)
-
-    def _update_mean_square(self, device: torch.device) -> float | None:
-        """The mean square of the step's update per unit rate over every process's coordinates (one collective on
-        every process alike), or None without a reader or an Adam state."""
-        if self.update_square_sum is None:
-            return None
-        local = self.update_square_sum()
-        local = torch.zeros(2, device=device) if local is None else local.to(device)
-        total, count = self.reduce_sum(local).tolist()
-        return total / count if count > 0 else None
-
-    def _log_rate(self, metrics: MutableMapping[str, list]) -> None:
-        """The rate the rule leaves for the next step (NaN before any measurement), with a rule."""
-        if self.rule is not None:
-            rate = self.rule.rate
-            metrics["oblr/trust_region_rate"].append(rate if math.isfinite(rate) else float("nan"))
-
-    @property
-    def gap(self) -> int:
-        """Steps with a gradient from one measurement to the next: ``measure_every``, or with ``short_early_gaps``
-        1, 2, 4, … after the first readings until it reaches ``measure_every``. The curvature a step meets falls
-        fastest over a run's first steps (Adam's update shrinks as v̂ accumulates, the policy sharpens), so a reading
-        taken then goes stale soonest."""
-        if not self.short_early_gaps:
-            return self.measure_every
-        return min(self.measure_every, 2 ** max(self.readings - 1, 0))
-
-    def _due(self, grad_norm: float | None) -> bool:
-        """Whether the step just taken is measured (`gap`); counts it among the unmeasured otherwise.
-        Until a measured step has moved the policy the rule has no curvature to size the steps in between with, so
-        every step with a gradient is measured: a warm-up that starts at rate 0 would otherwise hold the probe's
-        factor for k steps. In the ``"peak"`` form the step after the probe is measured too (its reading replaces the
-        probe's, `TrustRegionRate.needs_measurement`). Every process decides alike: the gradient norm, the step count
-        and the rule's state are the same on all of them."""
-        if self.measure_every == 1:
-            return True
-        if grad_norm == 0.0:
-            return False
-        if self.unmeasured_steps + 1 >= self.gap or (self.rule is not None and self.rule.needs_measurement):
-            self.unmeasured_steps = 0
-            return True
-        self.unmeasured_steps += 1
-        return False
+        return total / tokens if tokens > 0 else float("nan")
 
     def _drawn_rows(self, kept: list) -> tuple[list[torch.Tensor | None], int]:
         """Per kept micro-batch, a boolean mask of its rows drawn for the measurement (None where every row counts);
@@ -224,24 +126,11 @@ class StepKLRecorder:
         index = index.to(mask.device)
         return select_rows(batch, index, mask.size(0)), old[index], mask[index] * counted
 
-    def factor(self, base_lr: float, peak_lr: float | None = None) -> float:
-        """The trust-region factor on ``base_lr`` (scheduled rate × SNR factor) for the next step, ``peak_lr`` the
-        schedule's peak; 1 without a rule."""
-        return 1.0 if self.rule is None else self.rule.factor(base_lr, peak_lr)
-
     def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"measured_steps": self.measured_steps, "unmeasured_steps": self.unmeasured_steps,
-                                 "readings": self.readings}
-        if self.rule is not None:
-            state["trust_region"] = self.rule.state_dict()
-        return state
+        return {"measured_steps": self.measured_steps}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.measured_steps = int(state.get("measured_steps", 0))
-        self.unmeasured_steps = int(state.get("unmeasured_steps", self.measure_every - 1))
-        self.readings = int(state.get("readings", self.measure_every))  # not saved: past the short gaps
-        if self.rule is not None and "trust_region" in state:
-            self.rule.load_state_dict(state["trust_region"])
 
 
 def _is_rows(value: Any, rows: int) -> bool:

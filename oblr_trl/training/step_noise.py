@@ -1,10 +1,9 @@
-"""What each optimizer step measured for the SNR-driven learning rate, and the factor of the next step
-(docs/math.md).
+"""What each optimizer step measured for the SNR-driven learning rate (docs/math.md).
 
 The trainer tells a [`StepNoiseRecorder`] where a step is (a new generation batch, each training micro-batch, the
 step's gradient norm once every micro-batch is in); the recorder sums the step's statistics over processes in one
-collective, turns them into ‖μ‖² and tr Σ with the pure estimators of `oblr_trl.estimators.snr`, feeds the
-`SNRLearningRateController`, logs what it saw and leaves the factor of the next step in ``next_factor``.
+collective, turns them into ‖μ‖² and tr Σ with the pure estimators of `oblr_trl.estimators.snr`, logs what it saw and
+returns the estimate, which the trainer hands to the rate rule (`OptimizerStepControl.observe_noise`).
 
 It reads gradients in one of two ways:
 
@@ -23,7 +22,6 @@ only with hooks.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, MutableMapping, Sequence
 from typing import Any
 
@@ -32,15 +30,18 @@ import torch
 from ..estimators.sketch import GradientSketch
 from ..estimators.snr import (
     NoiseEstimate,
-    SNRLearningRateController,
     cross_step_noise_estimate,
-    gradient_noise_scale,
     per_sample_noise_estimate,
     two_batch_noise_estimate,
 )
 from .optim_hooks import MicroBatchGradSqNorms, sketch_step_gradients
 
-__all__ = ["StepNoiseRecorder"]
+__all__ = ["StepNoiseRecorder", "loss_scale"]
+
+
+def loss_scale(scaler) -> float:
+    """The fp16 loss scale a `GradScaler` multiplied the micro-batch gradients by (1 without one)."""
+    return float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else 1.0
 
 
 class StepNoiseRecorder:
@@ -49,7 +50,6 @@ class StepNoiseRecorder:
     Args:
         params: the trainable parameters, in a fixed order (their shapes size the sketch; hooks go on them unless
             ``sharded``).
-        controller: turns the step estimates into the learning-rate factor.
         estimator: ``cross_step``, ``two_batch`` or ``per_sample`` (`OBLRPOConfig.snr_estimator`).
         num_generations: completions per prompt (``cross_step`` counts prompts as its samples).
         sharded: FSDP2 holds the parameters and gradients as shards: never hooks.
@@ -61,7 +61,6 @@ class StepNoiseRecorder:
     def __init__(
         self,
         params: Sequence[torch.nn.Parameter],
-        controller: SNRLearningRateController,
         estimator: str,
         num_generations: int,
         *,
@@ -69,7 +68,6 @@ class StepNoiseRecorder:
         gradients_in_grad: bool = True,
         seed: int = 0,
     ):
-        self.controller = controller
         self.estimator = estimator
         self.num_generations = num_generations
         self.sharded = sharded
@@ -79,7 +77,6 @@ class StepNoiseRecorder:
         self.sketch_at_step_end = self.sketch is not None and (sharded or gradients_in_grad)
         needs_hooks = not sharded and (estimator != "cross_step" or not gradients_in_grad)
         self.hooks = MicroBatchGradSqNorms(params, None if self.sketch_at_step_end else self.sketch) if needs_hooks else None
-        self.next_factor = 1.0
         self.generation = 0  # training generation batches so far; two steps pair when they share none
         self.previous: tuple[torch.Tensor, set[int]] | None = None  # the last step's sketch and generation batches
         self._start_step()
@@ -125,8 +122,10 @@ class StepNoiseRecorder:
         processes: int,
         loss_scale: float,
         metrics: MutableMapping[str, list],
-    ) -> None:
-        """Measure ‖μ‖² and tr Σ of the step that just finished, log them and set ``next_factor``.
+    ) -> tuple[NoiseEstimate | None, float, float]:
+        """Measure ‖μ‖² and tr Σ of the step that just finished and log them; returns the estimate (None where the
+        step has no independent partner), the samples it counts (prompts for ``cross_step``, else completions) and
+        the step's completions.
 
         Scales (W processes, K micro-batches h_k in all, N samples): the optimizer's gradient is G_N = (1/W) Σ_k h_k,
         so the micro-batch estimate of the same mean is (K/W)·h_k and |G_b|² = K Σ_k ‖h_k‖² / W², with b = N/K.
@@ -183,29 +182,11 @@ class StepNoiseRecorder:
             metrics["snr/two_batch/grad_sq_norm"].append(two_batch.grad_sq_norm)
             metrics["snr/two_batch/trace_cov"].append(two_batch.trace_cov)
 
-        controller = self.controller
-        if estimate is not None and controller.update(estimate):
+        if estimate is not None and estimate.is_finite:
             metrics["snr/grad_sq_norm"].append(estimate.grad_sq_norm)
             metrics["snr/trace_cov"].append(estimate.trace_cov)
-        metrics["snr/skipped_steps"].append(float(controller.skipped))
-        snr = controller.snr
-        metrics["snr/grad_sq_norm_ema"].append(controller.grad_sq_norm.value)
-        metrics["snr/trace_cov_ema"].append(controller.trace_cov.value)
-        metrics["snr/snr"].append(snr if math.isfinite(snr) else float("nan"))
-        metrics["snr/noise_scale"].append(1.0 / snr if math.isfinite(snr) and snr > 0 else float("nan"))
-        # the same in completions, beside the completions the step used: the batch-size counterpart of the step size
-        metrics["oblr/noise_scale"].append(
-            gradient_noise_scale(controller.trace_cov.value, controller.grad_sq_norm.value, samples / units if units else 1.0)
-        )
         metrics["oblr/completions_per_step"].append(samples)
-        metrics["snr/bound_factor"].append(controller.bound_factor(units))
-        metrics["snr/resolved"].append(float(controller.resolved))
-        if controller.reference == "calibrated":
-            if math.isfinite(controller.calibration.t_statistic):
-                metrics["snr/calibration_t"].append(controller.calibration.t_statistic)
-            if controller.calibration.resolved:
-                metrics["snr/reference_factor"].append(controller.calibration.reference(units))
-        self.next_factor = controller.factor(units)
+        return estimate, units, samples
 
     def _cross_step_estimate(
         self, sketch: torch.Tensor, generations: set[int], full_sq: float, groups: float
@@ -223,12 +204,9 @@ class StepNoiseRecorder:
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-able state (the last step's sketch is saved apart: `previous_sketch_state`)."""
-        return {"snr_controller": self.controller.state_dict(), "next_lr_factor": self.next_factor,
-                "generation_count": self.generation}
+        return {"generation_count": self.generation}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.controller.load_state_dict(state["snr_controller"])
-        self.next_factor = float(state["next_lr_factor"])
         self.generation = int(state.get("generation_count", 0))
 
     def previous_sketch_state(self) -> dict[str, Any] | None:

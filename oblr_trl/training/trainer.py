@@ -1,18 +1,13 @@
 """`OBLRPOTrainer`: TRL's `GRPOTrainer` with the gradient-weighted baseline and the SNR-driven learning rate.
 
-The trainer is glue: it overrides the hooks of TRL 1.16 that docs/architecture.md names and hands each concern to a
-collaborator that keeps its own bookkeeping:
-
-* `CompletionWeights` (`completion_weights.py`): the weights w_i of a generation batch and per-sample gradient norms;
-* the advantages, recomputed at the end of `_generate_and_score_completions` on the rewards and weights gathered from
-  every process, before the generation batch is split into micro-batches (a group can span ranks and micro-batches),
-  with the pure functions of `advantages.py`;
-* `StepNoiseRecorder` (`step_noise.py`): each optimizer step's ‖μ‖² and tr Σ, and the SNR factor of the next step;
-* `StepKLRecorder` (`step_kl.py`): how far each optimizer step moved the policy, and the trust-region factor
-  (`trust_region.py`) of the next step;
-* `OptimizerStepControl` (`step_control.py`): the factor each optimizer step runs with, and the refusal of a
-  non-finite step;
-* `RunRecords` (`run_records.py`): checkpoint state, preemption, the model card and the time of every segment.
+The trainer is glue: it overrides the hooks of TRL 1.16 that docs/architecture.md names (with the order they run in
+within one step) and hands each concern to a collaborator that keeps its own bookkeeping: `CompletionWeights` (the
+weights w_i, per-sample gradient norms), `StepNoiseRecorder` (each step's ‖μ‖² and tr Σ), `StepKLRecorder` (how far a
+step moved the policy), `OptimizerStepControl` (feeds those to the rate rule, `estimators.step_rate`, applies the
+factor it decides and refuses a non-finite step) and `RunRecords` (checkpoints, preemption, the model card). The
+advantages are recomputed with `estimators.advantages` at the end of `_generate_and_score_completions`, on the rewards
+and weights gathered from every process, before the generation batch is split (a group can span ranks and
+micro-batches).
 
 No collaborator sees the trainer: each is given the functions and values it uses, and `__init__` is the one place
 that hands TRL's private methods and attributes over to them (read there what a TRL upgrade can break).
@@ -22,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import textwrap
-import warnings
 from pathlib import Path
 
 import torch
@@ -30,20 +24,24 @@ from accelerate.utils import is_peft_model
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
-from trl.trainer.utils import get_callable_name, get_config_model_id
+from trl.trainer.utils import get_config_model_id
 
-from ..estimators.advantages import aggregate_rewards, gradient_weighted_advantages, rows_whose_weights_matter
+from ..estimators.advantages import (
+    advantage_summary,
+    aggregate_rewards,
+    gradient_weighted_advantages,
+    rows_whose_weights_matter,
+)
 from ..estimators.baselines import PooledSlope
-from ..estimators.snr import SNRLearningRateController
-from ..estimators.trust_region import TrustRegionRate, adam_update_square_sum
 from . import models
 from .completion_weights import CompletionWeights, loss_mask, reshard_fsdp2
-from .config import OBLRPOConfig, check_backend
-from .guards import name_reward_errors, validate_training_data
+from .config import OBLRPOConfig, check_backend, deepspeed_fp16
+from .generation_hooks import empty_completions_as_eos
+from .guards import check_prompt_lengths, checked_reward_funcs
 from .run_records import RunDescription, RunRecords
-from .step_control import OptimizerStepControl
+from .step_control import OptimizerStepControl, step_rate_rule
 from .step_kl import StepKLRecorder
-from .step_noise import StepNoiseRecorder
+from .step_noise import StepNoiseRecorder, loss_scale
 
 __all__ = ["OBLRPOTrainer"]
 
@@ -61,8 +59,7 @@ class _OBLRPOCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         self.trainer.step_control.attach(self.trainer.optimizer)
         # the calibration of the SNR factor starts once the learning rate has reached its scheduled value
-        calibration = self.trainer.snr_controller.calibration
-        calibration.start = max(args.snr_warmup_steps, args.get_warmup_steps(state.max_steps))
+        self.trainer.step_rate.open_calibration_after(max(args.snr_warmup_steps, args.get_warmup_steps(state.max_steps)))
         if args.save_on_preemption:
             self.trainer.records.preemption.install()
 
@@ -71,11 +68,9 @@ class _OBLRPOCallback(TrainerCallback):
 
     def on_optimizer_step(self, args, state, control, **kwargs):
         trainer = self.trainer
-        if trainer.kl_recorder is not None:  # the step's own KL, before the next step's factor is fixed
-            step = trainer.step_control
-            trainer.kl_recorder.after_step(step.applied_lr, trainer._metrics["train"], step.grad_norm)
-            if trainer._is_fsdp2:
-                reshard_fsdp2(trainer.model)
+        trainer.step_control.after_step()  # the step's own KL, before the next step's factor is fixed
+        if trainer.kl_recorder is not None and trainer._is_fsdp2:
+            reshard_fsdp2(trainer.model)
 
     def on_step_end(self, args, state, control, **kwargs):
         records = self.trainer.records
@@ -88,15 +83,13 @@ class _OBLRPOCallback(TrainerCallback):
 class OBLRPOTrainer(GRPOTrainer):
     """Trainer for OBLR-PO (Optimal Baseline and Learning-Rate Policy Optimization, arXiv 2511.23310).
 
-    A drop-in replacement for [`~trl.GRPOTrainer`] (same arguments) that changes three things:
+    A drop-in replacement for [`~trl.GRPOTrainer`] (same arguments) that changes two things:
 
     1. Advantages are r_i − b_i with a leave-one-out estimate of the variance-optimal baseline b* = E[w r]/E[w],
        w ∝ ‖∇_θ log π(o|q)‖² (see `OBLRPOConfig.baseline_estimator` and `baseline_weights`).
-    2. The scheduled learning rate of each optimizer step is scaled by a factor driven by the measured gradient
-       SNR = ‖μ‖²/tr Σ through f_t = N·SNR/(1 + N·SNR) (see `OBLRPOConfig.snr_lr_reference`).
-    3. The policy KL an optimizer step caused is measured on some of its completions (every 16th step by default),
-       and the next steps' rate is set from it to the one that moves the policy by δ, in the form
-       `OBLRPOConfig.lr_trust_region_mode` says (`lr_trust_region_kl=None` turns it off).
+    2. The rate of each optimizer step is the scheduled one × an SNR factor × a trust-region factor: by default the
+       trust region measures the schedule's peak, the rate that moves the policy by δ (`lr_trust_region_kl`; None
+       turns it off), and f_t = N·SNR/(1 + N·SNR) shapes the steps around it (`use_snr_lr`, `snr_lr_reference`).
 
     Example:
 
@@ -148,7 +141,7 @@ class OBLRPOTrainer(GRPOTrainer):
                 "argument: replace `GRPOConfig(...)` with `OBLRPOConfig(...)`."
             )
         environment_owned = any(trainer_kwargs.get(key) is not None for key in ("environment_factory", "rollout_func"))
-        reward_funcs = self._checked_reward_funcs(
+        reward_funcs = checked_reward_funcs(
             reward_funcs, trainer_kwargs.get("train_dataset", (*trainer_args, None)[0]), not environment_owned
         )
         super().__init__(model, reward_funcs, args, *trainer_args, **trainer_kwargs)
@@ -181,51 +174,24 @@ class OBLRPOTrainer(GRPOTrainer):
         self._warned_context = False
         self.pooled_slope = PooledSlope(POOLED_SLOPE_DECAY)  # ρ̂ of `pooled_slope`, fitted on earlier batches
 
-        self.snr_controller = SNRLearningRateController(
-            args.snr_ema_decay,
-            args.snr_warmup_steps,
-            args.snr_lr_floor,
-            reference=args.snr_lr_reference,
-            calibration_start=args.snr_warmup_steps,  # moved past the learning-rate warm-up in on_train_begin
-            calibration_steps=args.resolved_snr_calibration_steps,
-            min_ratio=args.snr_lr_min_ratio,
-            max_ratio=args.snr_lr_max_ratio,
-        )
-        self.snr_recorder: StepNoiseRecorder | None = None
-        if args.use_snr_lr:
-            self.snr_recorder = StepNoiseRecorder(
-                self._trainable_parameters(), self.snr_controller, args.snr_estimator, self.num_generations,
-                sharded=self._is_fsdp2, gradients_in_grad=not self.is_deepspeed_enabled, seed=args.seed,
-            )
-        # f_t of step t comes from the estimates of steps < t: under DeepSpeed the optimizer steps inside the last
-        # backward, before step t's gradient norm exists, and a batch's own noise should not size its own step.
-        # the step's KL, measured after it on its completions, and the trust region it drives
-        self.kl_recorder: StepKLRecorder | None = None
-        if args.measures_step_kl:
-            rule = None if args.lr_trust_region_kl is None else TrustRegionRate(
-                args.lr_trust_region_kl, args.lr_trust_region_mode, args.lr_trust_region_ema_decay,
-                args.lr_trust_region_min_ratio, args.lr_trust_region_max_ratio,
-                per_update=args.lr_trust_region_curvature == "per_update",
-            )
-            self.kl_recorder = StepKLRecorder(
-                rule, self.completion_weights.token_log_probs,
-                lambda stats: self.accelerator.reduce(stats, reduction="sum"),
-                sample_size=None if self._is_vlm else args.lr_trust_region_sample_size,
-                gather=self.accelerator.gather, process_index=self.accelerator.process_index, seed=args.seed,
-                # log_step_kl alone logs each step's KL: the cadence is the trust region's
-                measure_every=1 if rule is None else args.lr_trust_region_measure_steps,
-                short_early_gaps=args.lr_trust_region_curvature == "per_update",
-                update_square_sum=lambda: (None if self.step_control.optimizer is None
-                                           else adam_update_square_sum(self.step_control.optimizer)),
-            )
+        # the rate of every step: f_t of step t comes from the estimates of steps < t (under DeepSpeed the optimizer
+        # steps inside the last backward, before step t's gradient norm exists), g_t from the KL earlier steps moved
+        self.step_rate = step_rate_rule(args)
+        self.snr_recorder = StepNoiseRecorder(
+            self._trainable_parameters(), args.snr_estimator, self.num_generations,
+            sharded=self._is_fsdp2, gradients_in_grad=not self.is_deepspeed_enabled, seed=args.seed,
+        ) if args.use_snr_lr else None
+        self.kl_recorder = StepKLRecorder(
+            self.completion_weights.token_log_probs, lambda stats: self.accelerator.reduce(stats, reduction="sum"),
+            sample_size=None if self._is_vlm else args.lr_trust_region_sample_size,
+            gather=self.accelerator.gather, process_index=self.accelerator.process_index, seed=args.seed,
+        ) if self.step_rate.measures_kl else None
         self.step_control = OptimizerStepControl(
-            self.accelerator, self._metrics["train"],
-            (lambda: self.snr_recorder.next_factor) if self.snr_recorder is not None else None,
-            self.kl_recorder.factor if args.lr_trust_region_kl is not None else None,
-            args.skip_nonfinite_steps, lambda: self.state.global_step,
+            self.accelerator, self._metrics["train"], self.step_rate, args.skip_nonfinite_steps,
+            lambda: self.state.global_step, None if self.kl_recorder is None else self.kl_recorder.after_step,
         )
         self.records = RunRecords(args, self.accelerator, lambda: self.state, self._run_description,
-                                  self.pooled_slope, self.kl_recorder, self.snr_recorder)
+                                  self.pooled_slope, self.step_rate, self.kl_recorder, self.snr_recorder)
         self.add_callback(_OBLRPOCallback(self))
 
     def train(self, *args, **kwargs):
@@ -256,41 +222,17 @@ class OBLRPOTrainer(GRPOTrainer):
     def _check_supported(self, args: OBLRPOConfig) -> None:
         fsdp_version = getattr(self.accelerator.state.fsdp_plugin, "fsdp_version", 1) if self.is_fsdp_enabled else None
         check_backend(args, fsdp_version=fsdp_version, deepspeed=self.is_deepspeed_enabled,
-                      deepspeed_fp16=self.is_deepspeed_enabled and _deepspeed_fp16(self.accelerator, args))
+                      deepspeed_fp16=self.is_deepspeed_enabled and deepspeed_fp16(self.accelerator, args))
         if args.baseline_weights == "exact" and self._is_vlm:
             raise ValueError(
                 "Invalid value for `baseline_weights`: 'exact' is not supported for vision-language models. Allowed "
                 "values for them: 'logit', 'length', 'uniform'."
             )
 
-    @staticmethod
-    def _checked_reward_funcs(reward_funcs, train_dataset, requires_prompt: bool = True) -> list:
-        """Check the data against the reward functions before any model loads; name a reward function that fails."""
-        funcs = reward_funcs if isinstance(reward_funcs, list) else [] if reward_funcs is None else [reward_funcs]
-        names = [f if isinstance(f, str) else get_callable_name(f) for f in funcs]
-        validate_training_data(train_dataset, [f for f in funcs if not isinstance(f, str)],
-                               [n for f, n in zip(funcs, names, strict=True) if not isinstance(f, str)], requires_prompt)
-        return [
-            f if isinstance(f, (str, torch.nn.Module)) else name_reward_errors(f, name)
-            for f, name in zip(funcs, names, strict=True)
-        ]
-
     def _tokenize_prompts(self, prompts: list):
         prompt_ids, images, multimodal_fields = super()._tokenize_prompts(prompts)
-        limit = self._context_limit()
-        longest = max((len(ids) for ids in prompt_ids), default=0)
-        if limit is not None and longest >= limit:
-            raise ValueError(
-                f"A prompt of {longest} tokens exceeds the model's context of {limit} tokens: nothing can be generated. "
-                f"Allowed: prompts of fewer than {limit} tokens (filter or truncate the dataset)."
-            )
-        if limit is not None and longest + self.max_completion_length > limit and not self._warned_context:
-            # TRL generates anyway (rotary models run past max_position_embeddings, degraded); say so once
-            self._warned_context = True
-            warnings.warn(
-                f"A prompt of {longest} tokens plus max_completion_length={self.max_completion_length} exceeds the "
-                f"model's context of {limit} tokens; completions may be cut or degraded past it."
-            )
+        self._warned_context |= check_prompt_lengths(prompt_ids, self._context_limit(), self.max_completion_length,
+                                                     warn=not self._warned_context)
         return prompt_ids, images, multimodal_fields
 
     def _context_limit(self) -> int | None:
@@ -340,19 +282,8 @@ class OBLRPOTrainer(GRPOTrainer):
         return self._without_empty_completions(completion_ids, logprobs)
 
     def _without_empty_completions(self, completion_ids, logprobs):
-        """A generator can return no token at all (vLLM at the context limit, a custom rollout); TRL cannot score such
-        a completion. Read it as the model stopping at once: a lone EOS (its sampling log-probability unknown, so no
-        importance-sampling correction), counted in `oblr/empty_completions`."""
-        empty = [i for i, ids in enumerate(completion_ids) if len(ids) == 0]
-        mode = "train" if self.model.training else "eval"
-        self._metrics[mode]["oblr/empty_completions"].append(float(len(empty)))
-        if not empty:
-            return completion_ids, logprobs
-        warnings.warn(f"{len(empty)} empty completion(s) read as a lone EOS token (counted in oblr/empty_completions).")
-        eos = self.eos_token_ids[0]
-        completion_ids = [ids if len(ids) else [eos] for ids in completion_ids]
-        if logprobs is not None:
-            logprobs = [lp if len(ids) else [None] for ids, lp in zip(completion_ids, logprobs, strict=True)]
+        completion_ids, logprobs, empty = empty_completions_as_eos(completion_ids, logprobs, self.eos_token_ids[0])
+        self._metrics["train" if self.model.training else "eval"]["oblr/empty_completions"].append(float(empty))
         return completion_ids, logprobs
 
     def _generate_and_score_completions(self, inputs):
@@ -407,27 +338,8 @@ class OBLRPOTrainer(GRPOTrainer):
         for _ in range(min(len(result.advantages), len(self._logs["advantages"]))):
             self._logs["advantages"].pop()
         self._logs["advantages"].extend(result.advantages.tolist())
-        self._log_advantage_metrics(result, weights, num_generations, mode)
-
-    def _log_advantage_metrics(self, result, weights: torch.Tensor, num_generations: int, mode: str) -> None:
-        metrics = self._metrics[mode]
-        scored = result.scored
-        metrics["oblr/unscorable_frac"].append(1.0 - scored.float().mean().item())
-        if not scored.any():
-            return
-        metrics["oblr/baseline_mean"].append(torch.nanmean(result.baseline).item())
-        metrics["oblr/advantage_mean"].append(result.advantages[scored].mean().item())
-        metrics["oblr/advantage_std"].append(result.advantages[scored].std(unbiased=False).item())
-        metrics["oblr/loo_fallback_frac"].append(result.fallback[scored].float().mean().item())
-        usable = scored & torch.isfinite(weights)
-        if usable.any():
-            metrics["oblr/weights/mean"].append(weights[usable].mean().item())
-        grouped = torch.where(usable, weights, torch.full_like(weights, float("nan"))).view(-1, num_generations)
-        largest = torch.nan_to_num(grouped, nan=-torch.inf).amax(dim=1)
-        smallest = torch.nan_to_num(grouped, nan=torch.inf).amin(dim=1)
-        spread = (largest / smallest)[(smallest > 0) & torch.isfinite(largest)]
-        if spread.numel():
-            metrics["oblr/weights/group_max_min_ratio"].append(spread.mean().item())
+        for name, value in advantage_summary(result, weights, num_generations).items():
+            self._metrics[mode][f"oblr/{name}"].append(value)
 
     # ------------------------------------------------------------------------------------------------------------
     # SNR-driven learning rate (docs/math.md)
@@ -479,18 +391,12 @@ class OBLRPOTrainer(GRPOTrainer):
         grad_norm = super()._get_grad_norm(model, grad_norm=grad_norm)
         self.step_control.note_grad_norm(grad_norm)
         if self.snr_recorder is not None:
-            self.snr_recorder.finish_step(
+            self.step_control.observe_noise(*self.snr_recorder.finish_step(
                 float(grad_norm), lambda stats: self.accelerator.reduce(stats, reduction="sum"),
-                self.accelerator.device, self.accelerator.num_processes, self._loss_scale(), self._metrics["train"],
-            )
+                self.accelerator.device, self.accelerator.num_processes, loss_scale(self.accelerator.scaler),
+                self._metrics["train"],
+            ))
         return grad_norm
-
-    def _loss_scale(self) -> float:
-        """The fp16 loss scale the micro-batch gradients were multiplied by (1 without one)."""
-        scaler = self.accelerator.scaler
-        if scaler is not None and scaler.is_enabled():
-            return float(scaler.get_scale())
-        return 1.0
 
     def create_optimizer(self, model=None):
         optimizer = super().create_optimizer(model)
@@ -540,10 +446,3 @@ class OBLRPOTrainer(GRPOTrainer):
         if checkpoint is not None:
             self.records.load(checkpoint)
 
-
-def _deepspeed_fp16(accelerator, args: OBLRPOConfig) -> bool:
-    """Whether DeepSpeed runs this job in fp16: the Trainer's fp16, or `fp16.enabled` set in DeepSpeed's own config
-    (the Trainer has resolved "auto" to its fp16 by now)."""
-    plugin = accelerator.state.deepspeed_plugin
-    enabled = (plugin.deepspeed_config.get("fp16") or {}).get("enabled", False) if plugin is not None else False
-    return bool(args.fp16) or enabled is True
