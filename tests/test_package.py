@@ -170,3 +170,18 @@ def test_no_module_but_the_trainer_touches_a_private_member_of_the_trainer():
     offenders = {module: found for module, path in MODULES.items() if module != "training.trainer"
                  for found in [_private_trainer_accesses(ast.parse(path.read_text()))] if found}
     assert not offenders, offenders
+
+
+def test_the_vllm_extra_asks_for_the_versions_the_pinned_trl_supports():
+    """`pip install ".[vllm]"` must not install a vLLM that TRL warns about: the extra's range is TRL's own."""
+    import configparser
+    import importlib.util
+    import re
+
+    setup = configparser.ConfigParser()
+    setup.read(Path(__file__).resolve().parents[1] / "setup.cfg")
+    extra = setup["options.extras_require"]["vllm"].strip()
+    source = Path(importlib.util.find_spec("trl.import_utils").origin).read_text()
+    supported = re.search(r"supports vLLM versions from (\d+(?:\.\d+)*) to (\d+(?:\.\d+)*)", source)
+    low, high = supported.groups()
+    assert extra == f"vllm>={low.removesuffix('.0')},<={high}", (extra, low, high)
