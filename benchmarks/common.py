@@ -83,24 +83,35 @@ def markdown_table(headers: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
+def shipped(field: str):
+    """What OBLR-PO ships for ``field``: an option's default or a constant of the rate rule (`RateRuleTuning`)."""
+    from oblr_trl.training.options import OBLRPOOptions
+    from oblr_trl.training.step_control import RateRuleTuning
+
+    return getattr(OBLRPOOptions if field in OBLRPOOptions.__dataclass_fields__ else RateRuleTuning, field)
+
+
 def build_trainer(
     model: str, overrides: dict | None, config: dict, peft: dict | None, train_dataset, callbacks=(), trainer_cls=None,
     reward_funcs=None,
 ):
-    """TRL's GRPOTrainer (``overrides`` is None) or OBLRPOTrainer (or ``trainer_cls``) with ``config`` + ``overrides``;
-    the reward is the graded accuracy unless ``reward_funcs`` says otherwise."""
+    """TRL's GRPOTrainer (``overrides`` is None) or OBLRPOTrainer (or ``trainer_cls``) with ``config`` + ``overrides``
+    (the rate rule's constants among them set its `rate_tuning`); the reward is the graded accuracy unless
+    ``reward_funcs`` says otherwise."""
     import torch
     from trl import GRPOConfig, GRPOTrainer
 
     from oblr_trl import OBLRPOConfig, OBLRPOTrainer
     from oblr_trl.rewards import accuracy_reward
+    from oblr_trl.testing import with_rate_tuning
     from oblr_trl.training.models import resolve_model
 
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     if overrides is None:
         config_cls, trainer_cls = GRPOConfig, GRPOTrainer
     else:
-        config_cls, trainer_cls, config = OBLRPOConfig, trainer_cls or OBLRPOTrainer, {**config, **overrides}
+        trainer_cls, config = with_rate_tuning(trainer_cls or OBLRPOTrainer, {**config, **overrides})
+        config_cls = OBLRPOConfig
     peft_config = None
     if peft:
         from peft import LoraConfig

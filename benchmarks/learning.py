@@ -69,10 +69,21 @@ METHODS = {
 CONTROL = "oblrpo-constant"
 REFERENCE = "grpo"
 # the curves logged per step, besides the reward
-TRACES = ("learning_rate", "grad_norm", "snr/lr_factor", "snr/effective_lr", "snr/bound_factor", "snr/grad_sq_norm_ema",
+TRACES = ("learning_rate", "grad_norm", "snr/lr_factor", "snr/bound_factor", "snr/grad_sq_norm_ema",
           "snr/trace_cov_ema", "snr/resolved", "snr/calibration_t", "snr/reference_factor", "oblr/step_kl",
           "oblr/trust_region_factor", "frac_reward_zero_std", "oblr/step_kl_target", "completions/mean_length",
           "oblr/lr", "oblr/update_rms", "oblr/trust_region_rate")
+
+
+def used_rates(traces: dict) -> list[float]:
+    """The rate each step used: `oblr/lr` (`snr/effective_lr` in the runs committed before 2026-12-02, the same value
+    under its old name), else the scheduled `learning_rate` (GRPOTrainer uses the rate it schedules)."""
+    for key in ("oblr/lr", "snr/effective_lr"):
+        if any(math.isfinite(v) for v in traces.get(key, [])):
+            return traces[key]
+    return traces["learning_rate"]
+
+
 PRESETS = {
     "cpu": {
         "model": "builtin:smollm2-135m-instruct",
@@ -201,9 +212,9 @@ def run_child(spec: dict) -> dict:
         result["lr_trust_region_kl"] = getattr(trainer.args, "lr_trust_region_kl", None)
         # how many of a step's completions its KL was measured on (None: all; runs before 2026-11-26 measured all)
         result["lr_trust_region_sample_size"] = getattr(trainer.args, "lr_trust_region_sample_size", None)
-        result["lr_trust_region_measure_steps"] = getattr(trainer.args, "lr_trust_region_measure_steps", None)
-        result["lr_trust_region_mode"] = getattr(trainer.args, "lr_trust_region_mode", None)
-        result["lr_trust_region_curvature"] = getattr(trainer.args, "lr_trust_region_curvature", None)
+        tuning = getattr(trainer, "rate_tuning", None)  # the rate rule's constants the run used (GRPOTrainer: none)
+        for field in ("lr_trust_region_measure_steps", "lr_trust_region_mode", "lr_trust_region_curvature"):
+            result[field] = getattr(tuning, field, None)
     return result
 
 
@@ -251,12 +262,13 @@ def requested_trust_region(spec: dict) -> tuple[float | None, int | None, str | 
     if spec.get("overrides") is None:
         return None, None, None, None
     from oblr_trl import OBLRPOConfig
+    from oblr_trl.training.step_control import RateRuleTuning
 
     overrides = spec["overrides"]
     kl = overrides.get("lr_trust_region_kl", OBLRPOConfig.lr_trust_region_kl)
     if kl is None:
         return None, None, None, None
-    return (kl, *(overrides.get(field, getattr(OBLRPOConfig, field)) for field in (
+    return (kl, *(overrides.get(field, getattr(RateRuleTuning, field)) for field in (
         "lr_trust_region_measure_steps", "lr_trust_region_mode", "lr_trust_region_curvature")))
 
 
@@ -330,15 +342,15 @@ def choose_rates(sweep: list[dict], methods: list[str], rates: list[float]) -> d
 
 
 def plot(test, methods, output_dir, name):
-    panels = [("reward", "training reward (5-step moving average)"), ("snr/effective_lr", "effective learning rate"),
+    panels = [("reward", "training reward (5-step moving average)"), ("oblr/lr", "learning rate used"),
               ("snr/lr_factor", "SNR factor f_t / f_ref (OBLR-PO)"), ("grad_norm", "gradient norm (before clipping)"),
               ("snr/bound_factor", "f_t = N·SNR / (1 + N·SNR)"), ("snr/trace_cov_ema", "noise estimate tr Σ (EMA)")]
     figure, axes = new_figure(len(panels), (5 * len(panels), 4.2))
     for method in methods:
         runs = [r for r in test if r["method"] == method]
         for axis, (key, title) in zip(axes, panels):
-            if key == "snr/effective_lr" and method == REFERENCE:
-                curves = [r["traces"]["learning_rate"] for r in runs]
+            if key == "oblr/lr":
+                curves = [used_rates(r["traces"]) for r in runs]
             else:
                 curves = [r["reward"] if key == "reward" else r["traces"][key] for r in runs]
             if all(math.isnan(v) for c in curves for v in c):
@@ -399,9 +411,9 @@ def main(argv=None):
                           "held_out": paths["test"]} for s in test_seeds], runs_dir, "constant-rate control", jobs)
         methods.append(CONTROL)
 
-    from oblr_trl import OBLRPOConfig
+    from oblr_trl.training.step_control import RateRuleTuning
 
-    skip = config["warmup_steps"] + OBLRPOConfig(output_dir="/tmp", use_cpu=True, bf16=False).resolved_snr_calibration_steps
+    skip = config["warmup_steps"] + RateRuleTuning().resolved_snr_calibration_steps
     summary = summarise(sweep, test, methods, rates, best, args.bootstrap, skip)
     figure = plot(test, methods, output_dir, "summary")
     start = {r["split"]: r["accuracy"] for r in initial}

@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import threading
@@ -452,9 +451,9 @@ def step_kl_cadence(trainer, step_kl_seconds: list[float]) -> dict:
     gradient (TRL's logged ``grad_norm`` > 0), and k."""
     steps = [log for log in trainer.state.log_history if "grad_norm" in log]
     measurements = sum("oblr/step_kl" in log for log in steps)
-    every = getattr(trainer.args, "lr_trust_region_measure_steps", None)
-    measures = every is not None and (trainer.args.lr_trust_region_kl is not None or trainer.args.log_step_kl)
-    return {"step_kl_measure_every": every if measures else None, "step_kl_measurements": measurements,
+    rule = getattr(trainer, "step_rate", None)  # GRPOTrainer has none
+    measures = rule is not None and rule.measures_kl
+    return {"step_kl_measure_every": rule.measure_every if measures else None, "step_kl_measurements": measurements,
             "step_kl_seconds_per_measurement": sum(step_kl_seconds) / measurements if measurements else None,
             "gradient_step_frac": statistics.fmean(log["grad_norm"] > 0 for log in steps) if steps else None}
 

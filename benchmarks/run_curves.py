@@ -19,6 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import new_figure, save_figure  # noqa: E402
+from learning import used_rates  # noqa: E402
 
 
 def finite(values: list) -> list[tuple[int, float]]:
@@ -28,7 +29,7 @@ def finite(values: list) -> list[tuple[int, float]]:
 
 def plot(run: dict, output: Path) -> Path:
     traces, delta = run["traces"], run.get("lr_trust_region_kl")
-    used = traces.get("oblr/lr") or traces["snr/effective_lr"]
+    used = used_rates(traces)
     figure, axes = new_figure(2, (12, 8), rows=2)
     reward = axes[0][0]
     reward.plot(range(1, len(run["reward"]) + 1), run["reward"], marker=".")

@@ -76,7 +76,9 @@ from oblr_trl.tasks import BOXED_INSTRUCTION
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import learning  # noqa: E402
 import synthetic_learning as synthetic  # noqa: E402
-from common import RESULTS, bootstrap_ci, markdown_table, new_figure, parse_overrides, save_figure, write_results  # noqa: E402
+from common import (  # noqa: E402
+    RESULTS, bootstrap_ci, markdown_table, new_figure, parse_overrides, save_figure, shipped, write_results,
+)
 
 REFERENCE = "grpo"
 TRL_SCHEDULE = {"lr_scheduler_type": "linear", "warmup_steps": 0}  # GRPOConfig's (TrainingArguments') defaults
@@ -392,9 +394,7 @@ def run_synthetic(args) -> dict:
 
     torch.set_num_threads(2)
     task = synthetic.Task(steps=args.steps or synthetic.Task.steps)
-    teacher = torch.randn(task.length, task.vocab, task.dim, generator=torch.Generator().manual_seed(12345))
-    held_out = torch.randn(256, task.dim, generator=torch.Generator().manual_seed(54321))
-    held_out_targets = synthetic.teacher_targets(task, held_out, teacher)
+    teacher, held_out, held_out_targets = synthetic.problem(task)
     seeds = list(range(1000, 1000 + args.test_seeds))
     rates = args.rates or SYNTHETIC_RATES
     names = args.methods or list(SYNTHETIC_METHODS)
@@ -540,7 +540,7 @@ def rate_rule_traces(runs: list[dict]) -> dict:
         if not factors or r.get("lr_trust_region_kl") is None:
             continue
         low, high = 0.01, (1.0 if r.get("lr_trust_region_mode") == "cap" else 10.0)  # the benchmark's bounds
-        used = traces.get("oblr/lr") or traces["snr/effective_lr"]
+        used = learning.used_rates(traces)
         measured = [isinstance(v, float) and math.isfinite(v) for v in traces["oblr/step_kl"]]
         entry = by_method.setdefault(r["method"], {"pairs": 0, "moving": 0, "ratios": [], "run_medians": []})
         gradient = [g != 0 for g in traces["grad_norm"]]
@@ -667,7 +667,6 @@ def defaults_twin(problems: dict) -> str | None:
     """The trust-region method that runs OBLRPOConfig's defaults on ``problems`` (every field it sets, its δ once the
     problems' δ replaces the placeholder, is the default), so that the grid reports `oblrpo` without running the same
     configuration twice; None where no method does."""
-    from oblr_trl import OBLRPOConfig
 
     def resolved(overrides: dict) -> dict:
         if overrides.get("lr_trust_region_kl") is PROBLEMS_DELTA:
@@ -676,7 +675,7 @@ def defaults_twin(problems: dict) -> str | None:
 
     return next((name for name, (overrides, schedule) in SMOLLM2_METHODS.items()
                  if overrides and overrides.get("lr_trust_region_kl") is not None and schedule is TRL_SCHEDULE
-                 and all(getattr(OBLRPOConfig, field) == value for field, value in resolved(overrides).items())),
+                 and all(shipped(field) == value for field, value in resolved(overrides).items())),
                 None)
 
 
@@ -823,8 +822,8 @@ def plot(summary_sets: list[tuple[str, dict, list[float]]], resolve_runs: list[d
         for index, r in enumerate(resolve_runs):
             traces, label = r["traces"], f"{r['method']} lr {r['learning_rate']:g} (final acc {r['accuracy']:.2f})"
             steps = range(1, len(traces["learning_rate"]) + 1)
-            measured = not all(math.isnan(v) for v in traces["snr/effective_lr"])  # GRPO logs no effective rate
-            rate_axis.plot(steps, traces["snr/effective_lr"] if measured else traces["learning_rate"], label=label,
+            measured = "snr/calibration_t" in traces and any(math.isfinite(v) for v in traces["snr/calibration_t"])
+            rate_axis.plot(steps, learning.used_rates(traces), label=label,
                            color=f"C{index}")  # one colour per run in both panels
             if measured:
                 t_axis.plot(steps, traces["snr/calibration_t"], label=label, color=f"C{index}")
@@ -872,8 +871,7 @@ def plot_collapse(runs: list[dict], output_dir: Path) -> Path | None:
     figure, axes = new_figure(3, (16, 4.4))
     for index, r in enumerate(chosen):
         traces, steps = r["traces"], range(1, len(r["reward"]) + 1)
-        used = traces["snr/effective_lr"] if any(math.isfinite(v) for v in traces["snr/effective_lr"]) else \
-            traces["learning_rate"]  # GRPOTrainer logs only the scheduled rate, which it uses
+        used = learning.used_rates(traces)
         label = f"{r['method']} (final acc {r['accuracy']:.2f})"
         axes[0].plot(steps, r["reward"], label=label, color=f"C{index}")
         axes[1].plot(steps, used, label=label, color=f"C{index}")
@@ -905,7 +903,7 @@ def plot_rates_used(runs: list[dict], output_dir: Path) -> Path | None:
         chosen = sorted((r for r in runs if r["method"] == method and r["seed"] == COLLAPSE["seed"]),
                         key=lambda r: r["learning_rate"])
         for index, r in enumerate(chosen):
-            used = r["traces"]["snr/effective_lr"]
+            used = learning.used_rates(r["traces"])
             axis.plot(range(1, len(used) + 1), used, color=f"C{index}",
                       label=f"configured {r['learning_rate']:g} (final acc {r['accuracy']:.2f})")
             axis.axhline(r["learning_rate"], color=f"C{index}", linestyle=":", linewidth=0.8)
@@ -1009,7 +1007,7 @@ def write_summary(args) -> None:
         results["resolve"] = [{key: r[key] for key in ("method", "seed", "learning_rate", "accuracy")}
                               | {"auc": learning.auc(r), "lr_factor": r["traces"]["snr/lr_factor"],
                                  "resolved": r["traces"]["snr/resolved"],
-                                 "effective_lr": r["traces"]["snr/effective_lr"]}
+                                 "effective_lr": learning.used_rates(r["traces"])}
                               for r in resolve_runs]
         rows = []
         for r in resolve_runs:
@@ -1117,14 +1115,11 @@ def synthetic_defaults_line() -> str:
     """Which testbed method of this grid runs OBLR-PO's rate rule as it ships, where `oblrpo` there does not (the
     testbed's `oblrpo` is the defaults before the trust region became one: its cells were measured then and kept
     under that name)."""
-    from oblr_trl.training.options import OBLRPOOptions
-
-    shipped = OBLRPOOptions()
-    if DEFAULT.rate_options() == shipped:
+    if DEFAULT.runs_shipped_rate:
         return ""
-    twin = next((name for name, m in SYNTHETIC_METHODS.items() if m.rate_options() == shipped), None)
+    twin = next((name for name, m in SYNTHETIC_METHODS.items() if m.runs_shipped_rate), None)
     return (f"Here `oblrpo` is OBLR-PO's defaults without the trust region (before 2026-11-26); today's defaults "
-            f"(δ = {shipped.lr_trust_region_kl:g}, {shipped.lr_trust_region_mode}) are "
+            f"(δ = {shipped('lr_trust_region_kl'):g}, {shipped('lr_trust_region_mode')}) are "
             + (f"`{twin}`" if twin else "none of this grid's methods (the testbed's `defaults` arm runs them: "
                "`synthetic_learning.py`)") + ".\n")
 

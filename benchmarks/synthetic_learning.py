@@ -30,7 +30,6 @@ mean area under the held-out curve) from a log-spaced grid; the comparison then 
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,15 +37,18 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, bootstrap_ci, markdown_table, new_figure, save_figure, write_results  # noqa: E402
+from common import (  # noqa: E402
+    RESULTS, bootstrap_ci, markdown_table, new_figure, save_figure, shipped, write_results,
+)
 
 from oblr_trl.estimators.advantages import gradient_weighted_advantages  # noqa: E402
 from oblr_trl.estimators.baselines import PooledSlope  # noqa: E402
 from oblr_trl.estimators.snr import cross_step_noise_estimate  # noqa: E402
+from oblr_trl.estimators.step_rate import StepRateRule  # noqa: E402
 from oblr_trl.estimators.trust_region import sampled_token_kl  # noqa: E402
 from oblr_trl.estimators.weights import length_weights, logit_gradient_sq_norms, uniform_weights  # noqa: E402
 from oblr_trl.training.options import OBLRPOOptions  # noqa: E402
-from oblr_trl.training.step_control import step_rate_rule  # noqa: E402
+from oblr_trl.training.step_control import RateRuleTuning, step_rate_rule  # noqa: E402
 
 # the rate rules, as `OBLRPOOptions` fields over the shipped defaults ({} is what ships)
 CONSTANT_RATE = {"use_snr_lr": False, "lr_trust_region_kl": None}  # the scheduled rate, as TRL's GRPO
@@ -64,18 +66,25 @@ class Method:
     weights: str  # "logit", "length" or "uniform"
     leave_one_out: bool
     scale_rewards: str  # "none" or "group"
-    rate: dict = field(default_factory=lambda: dict(CONSTANT_RATE))  # `OBLRPOOptions` fields of the rate rule
+    rate: dict = field(default_factory=lambda: dict(CONSTANT_RATE))  # `OBLRPOOptions` and `RateRuleTuning` fields
     estimator: str = "weighted"  # the estimate of b* (OBLRPOConfig.baseline_estimator); "weighted" for the others
     description: str = ""
 
-    def rate_options(self) -> OBLRPOOptions:
-        options = OBLRPOOptions(**self.rate)
+    def rate_rule(self) -> StepRateRule:
+        """A fresh rate rule, the trainer's (`step_rate_rule`) with this method's options and constants."""
+        tuning, fields = RateRuleTuning.split(self.rate)
+        options = OBLRPOOptions(**fields)
         options.validate_options()
-        return options
+        return step_rate_rule(options, tuning)
+
+    @property
+    def runs_shipped_rate(self) -> bool:
+        """Whether the rate rule is what ships: no option and no constant of the rule changed."""
+        return all(shipped(key) == value for key, value in self.rate.items())
 
     @property
     def has_snr_factor(self) -> bool:
-        return self.rate_options().use_snr_lr
+        return self.rate.get("use_snr_lr", True)
 
 
 METHODS = {
@@ -138,6 +147,13 @@ def completion_log_probs(log_p: torch.Tensor, tokens: torch.Tensor) -> torch.Ten
     return log_p.unsqueeze(2).expand(S, n, G, T, log_p.shape[-1]).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
+def problem(task: Task) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The teacher, the 256 held-out prompts and their right answers: fixed seeds, one problem for every study."""
+    teacher = torch.randn(task.length, task.vocab, task.dim, generator=torch.Generator().manual_seed(12345))
+    held_out = torch.randn(256, task.dim, generator=torch.Generator().manual_seed(54321))
+    return teacher, held_out, teacher_targets(task, held_out, teacher)
+
+
 SCHEDULES = ("constant", "linear")  # "linear": TRL's default, the rate decays linearly to 0 over the run, no warm-up
 
 
@@ -155,8 +171,7 @@ def run(method: Method, lrs: torch.Tensor, seeds: list[int], task: Task, teacher
     sample_gen = torch.Generator().manual_seed(20_000 + seeds[0])
     # the trainer's rate rule, one per seed, fed as `OptimizerStepControl` feeds it (no learning-rate warm-up here,
     # so the calibration window opens after `snr_warmup_steps`)
-    options = method.rate_options()
-    rules = [step_rate_rule(options) for _ in seeds]
+    rules = [method.rate_rule() for _ in seeds]
     previous_grad = None
     slopes = [PooledSlope(0.9) for _ in seeds]  # the trainer's POOLED_SLOPE_DECAY
     curve, lr_trace, factor_trace = [], [], []
@@ -211,7 +226,7 @@ def run(method: Method, lrs: torch.Tensor, seeds: list[int], task: Task, teacher
         sq = flat.pow(2).sum(-1)
         grad_norms = sq.sqrt().tolist()
         factors = torch.tensor([rule.note_grad_norm(norm) for rule, norm in zip(rules, grad_norms, strict=True)])
-        if options.use_snr_lr:  # the step's noise sizes the next step's factor
+        if rules[0].snr is not None:  # the step's noise sizes the next step's factor
             dots = (flat * previous_grad).sum(-1).tolist() if previous_grad is not None else [None] * S
             for rule, s_q, dot in zip(rules, sq.tolist(), dots, strict=True):
                 rule.observe_noise(None if dot is None else cross_step_noise_estimate(s_q, dot, n), n)
@@ -266,9 +281,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(2)
     task = Task(steps=args.steps)
-    teacher = torch.randn(task.length, task.vocab, task.dim, generator=torch.Generator().manual_seed(12345))
-    held_out = torch.randn(256, task.dim, generator=torch.Generator().manual_seed(54321))
-    held_out_targets = teacher_targets(task, held_out, teacher)
+    teacher, held_out, held_out_targets = problem(task)
     validation = list(range(args.validation_seeds))
     test = list(range(1000, 1000 + args.test_seeds))
 

@@ -51,10 +51,16 @@ from oblr_trl.estimators.baselines import (  # noqa: E402
     PooledSlope,
     gradient_weighted_baseline,
     pooled_slope_baseline,
-    shrunk_baseline,
 )
 from oblr_trl.estimators.weights import log_sum_sq_probs, logit_proxy_weights  # noqa: E402
 from oblr_trl.training.options import OBLRPOOptions  # noqa: E402
+
+def shrunk_baseline(rewards: torch.Tensor, weights: torch.Tensor, shrinkage: float) -> torch.Tensor:
+    """λ·(weighted LOO mean) + (1 − λ)·(uniform LOO mean) of the others: the `shrunk` estimate of b* the trainer
+    offered until 2026-12-02 (it lost to `pooled_slope`, this benchmark's table)."""
+    weighted = gradient_weighted_baseline(rewards, weights).baseline
+    return shrinkage * weighted + (1.0 - shrinkage) * gradient_weighted_baseline(rewards, torch.ones_like(rewards)).baseline
+
 
 # name → (label, weight source, kind): "loo"/"group" weighted means, "shrunk" (λ = SHRINKAGE, leave-one-out),
 # "pooled" (leave-one-out mean + ρ̂·variance, ρ̂ fitted on the other prompts' groups with these weights)
@@ -204,7 +210,7 @@ def group_variances(gram, rewards, weights, group_size, draws, generator, slopes
     for name, (_, source, kind) in BASELINES.items():
         w = torch.ones_like(r) if source == "uniform" else weights[source][index]
         if kind == "shrunk":
-            baseline = shrunk_baseline(r, w, SHRINKAGE).baseline
+            baseline = shrunk_baseline(r, w, SHRINKAGE)
         elif kind == "pooled":
             baseline = pooled_slope_baseline(r, slopes[source]).baseline
         else:

@@ -375,6 +375,7 @@ def train(argv: list[str]) -> int:
         from .tasks import load_task, task_source
         from .training import models
         from .training.guards import end_distributed_training
+        from .training.vllm_colocate import close_colocated_vllm
 
         model_name = model_args.model_name_or_path or DEFAULT_MODEL
         models.check_model_available(model_name)
@@ -410,6 +411,7 @@ def train(argv: list[str]) -> int:
         return _train_and_publish(trainer, argv, training_args, task_args, dataset_id)
     finally:
         accelerator = trainer.accelerator
+        close_colocated_vllm(trainer)  # its teardown needs the process group destroyed below
         del trainer  # the last reference outside the trainer's own cycles: end_distributed_training collects them
         end_distributed_training(accelerator)
 

@@ -41,8 +41,7 @@ def _series(history: list[dict], key: str) -> tuple[list[int], list[float]]:
     if key == "accuracy":
         key = next((k for entry in history for k in entry if k.startswith("rewards/") and "accuracy" in k and k.endswith("/mean")), key)
     if key == "oblr/lr" and not any(key in entry for entry in history):
-        # logged under its old name before; a run without the SNR factor or trust region uses the scheduled rate
-        key = "snr/effective_lr" if any("snr/effective_lr" in entry for entry in history) else "learning_rate"
+        key = "learning_rate"  # a run without the SNR factor or trust region uses the scheduled rate
     points = [(e["step"], e[key]) for e in history if isinstance(e.get(key), (int, float))]
     return [s for s, _ in points], [v for _, v in points]
 

@@ -18,7 +18,7 @@ SHOWN = (
     ("reward", ("reward",)),
     ("acc", ("rewards/accuracy_reward/mean",)),
     ("f", ("snr/lr_factor",)),
-    ("lr", ("oblr/lr", "snr/effective_lr", "learning_rate")),  # the old name: runs logged before it changed
+    ("lr", ("oblr/lr", "learning_rate")),  # a run without a factor uses the scheduled rate
 )
 
 

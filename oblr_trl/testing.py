@@ -3,6 +3,7 @@
 The tokenizer works on characters, so any text round-trips; the models are randomly initialised Llama-, Qwen2- or
 Qwen3-style causal LMs small enough for exact per-sample gradients on a CPU. `allow_fsdp_on_cpu` lets accelerate run
 FSDP2 over CPU processes, for tests and benchmarks of the sharded path on a machine without GPUs.
+`with_rate_tuning` runs a trainer with other constants of its rate rule, for tests and the benchmarks' ablations.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen3Config
 
-__all__ = ["CHAT_TEMPLATE", "allow_fsdp_on_cpu", "tiny_causal_lm", "tiny_tokenizer"]
+__all__ = ["CHAT_TEMPLATE", "allow_fsdp_on_cpu", "tiny_causal_lm", "tiny_tokenizer", "with_rate_tuning"]
 
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>"]
 CHAT_TEMPLATE = (
@@ -101,3 +102,14 @@ def allow_fsdp_on_cpu() -> None:
             self.distributed_type, self.fsdp_plugin = DistributedType.FSDP, fsdp_plugin
 
     state.AcceleratorState.__init__ = init
+
+
+def with_rate_tuning(trainer_cls: type, settings: dict) -> tuple[type, dict]:
+    """``settings`` (config fields and constants of the rate rule, `RateRuleTuning`'s fields, mixed) as the trainer
+    class whose `rate_tuning` holds those constants and the config fields left: ``(trainer_cls, config fields)``."""
+    from .training.step_control import RateRuleTuning
+
+    tuning, config = RateRuleTuning.split(settings)
+    if tuning == trainer_cls.rate_tuning:
+        return trainer_cls, config
+    return type(trainer_cls.__name__, (trainer_cls,), {"rate_tuning": tuning}), config

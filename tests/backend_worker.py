@@ -28,7 +28,7 @@ from datasets import Dataset  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
 from oblr_trl import OBLRPOConfig, OBLRPOTrainer  # noqa: E402
-from oblr_trl.testing import allow_fsdp_on_cpu, tiny_causal_lm, tiny_tokenizer  # noqa: E402
+from oblr_trl.testing import allow_fsdp_on_cpu, tiny_causal_lm, tiny_tokenizer, with_rate_tuning  # noqa: E402
 from oblr_trl.training.guards import end_distributed_training  # noqa: E402
 from oblr_trl.training.optim_hooks import innermost_optimizer  # noqa: E402
 
@@ -78,18 +78,20 @@ def main(out: str) -> None:
     tokenizer = tiny_tokenizer()
     model = tiny_causal_lm(tokenizer, hidden_size=64, num_layers=2)
     prompts = [f"{a}+{b}=" for a in range(8) for b in range(4)]
+    trainer_cls, settings = with_rate_tuning(OBLRPOTrainer, {"snr_warmup_steps": 0, "snr_ema_decay": 0.0})
+    tuning = trainer_cls.rate_tuning
     args = OBLRPOConfig(
         output_dir=os.path.join(os.path.dirname(out), "run"), per_device_train_batch_size=4,
         gradient_accumulation_steps=2, num_generations=4, max_completion_length=8, max_steps=4, learning_rate=1e-2,
-        generation_kwargs={"sequence_bias": [[[1], 3.0]]}, lr_scheduler_type="linear", snr_warmup_steps=0,
-        snr_ema_decay=0.0, snr_lr_reference="absolute", logging_steps=1, report_to="none",
+        generation_kwargs={"sequence_bias": [[[1], 3.0]]}, lr_scheduler_type="linear", **settings,
+        snr_lr_reference="absolute", logging_steps=1, report_to="none",
         save_strategy="no", bf16=torch.cuda.is_available(), use_cpu=not torch.cuda.is_available(),
         baseline_weights=os.environ.get("WEIGHTS", "logit"),
         **(dict(fsdp="full_shard", fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
                                                "reshard_after_forward": True}) if os.environ.get("FSDP2") else {}),
     )
     recorder = StepRecorder()
-    trainer = OBLRPOTrainer(model=model, reward_funcs=digit_fraction_reward, args=args,
+    trainer = trainer_cls(model=model, reward_funcs=digit_fraction_reward, args=args,
                             train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tokenizer,
                             callbacks=[recorder])
     recorder.trainer = trainer
@@ -103,12 +105,12 @@ def main(out: str) -> None:
                 "innermost_optimizer": type(recorder.hooked).__name__,
                 "used_lrs": recorder.used_lrs,
                 "logged": recorder.logged,
-                "floor": args.snr_lr_floor,
-                "trust_region": {"kl": args.lr_trust_region_kl, "mode": args.lr_trust_region_mode,
-                                 "min_ratio": args.lr_trust_region_min_ratio,
-                                 "max_ratio": args.lr_trust_region_max_ratio,
-                                 "measure_steps": args.lr_trust_region_measure_steps,
-                                 "curvature": args.lr_trust_region_curvature},
+                "floor": tuning.snr_lr_floor,
+                "trust_region": {"kl": args.lr_trust_region_kl, "mode": tuning.lr_trust_region_mode,
+                                 "min_ratio": tuning.lr_trust_region_min_ratio,
+                                 "max_ratio": tuning.lr_trust_region_max_ratio,
+                                 "measure_steps": tuning.lr_trust_region_measure_steps,
+                                 "curvature": tuning.lr_trust_region_curvature},
                 "params_changed": bool((final != recorder.initial).any()),
                 "params_finite": bool(final.isfinite().all()),
                 "log_history": trainer.state.log_history,

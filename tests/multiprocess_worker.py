@@ -28,7 +28,7 @@ import trl.trainer.grpo_trainer as grpo_trainer  # noqa: E402
 from datasets import Dataset  # noqa: E402
 
 from oblr_trl import OBLRPOConfig, OBLRPOTrainer  # noqa: E402
-from oblr_trl.testing import allow_fsdp_on_cpu, tiny_causal_lm, tiny_tokenizer  # noqa: E402
+from oblr_trl.testing import allow_fsdp_on_cpu, tiny_causal_lm, tiny_tokenizer, with_rate_tuning  # noqa: E402
 from oblr_trl.training.guards import end_distributed_training  # noqa: E402
 
 grpo_trainer.shuffle_sequence_dict = lambda batch: batch  # micro-batches follow the order of the generation batch
@@ -89,6 +89,11 @@ def run_case(case: dict, output_dir: str) -> dict:
         fsdp = {"fsdp": "full_shard", "fsdp_config": {"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
                                                       "reshard_after_forward": True}}
     tokenizer = tiny_tokenizer()
+    trainer_cls, _ = with_rate_tuning(DeterministicTrainer, {
+        "snr_warmup_steps": 1, "lr_trust_region_mode": case.get("lr_trust_region_mode", "cap"),
+        # every step measured unless a case says: the measurement in each layout is what the cases compare
+        "lr_trust_region_measure_steps": case.get("lr_trust_region_measure_steps", 1),
+    })
     config = OBLRPOConfig(
         output_dir=output_dir,
         per_device_train_batch_size=case["per_device_train_batch_size"],
@@ -104,21 +109,17 @@ def run_case(case: dict, output_dir: str) -> dict:
         bf16=False,
         use_cpu=True,
         gradient_checkpointing=case.get("gradient_checkpointing", False),
-        snr_warmup_steps=1,
         baseline_weights=case.get("baseline_weights", "logit"),
         snr_estimator=case.get("snr_estimator", "two_batch"),
         snr_lr_reference=case.get("snr_lr_reference", "absolute"),
         shuffle_dataset=False,
         max_grad_norm=case.get("max_grad_norm", 1.0),
         lr_trust_region_kl=case.get("lr_trust_region_kl"),
-        lr_trust_region_mode=case.get("lr_trust_region_mode", "cap"),
         lr_trust_region_sample_size=case.get("lr_trust_region_sample_size"),
-        # every step measured unless a case says: the measurement in each layout is what the cases compare
-        lr_trust_region_measure_steps=case.get("lr_trust_region_measure_steps", 1),
         seed=0,
         **fsdp,
     )
-    trainer = DeterministicTrainer(
+    trainer = trainer_cls(
         model=tiny_causal_lm(tokenizer, tie_word_embeddings=case.get("tie_word_embeddings", False)),
         reward_funcs={"digits": reward, "alike_for_even_b": reward_alike_for_even_b}[case.get("reward", "digits")],
         args=config,
@@ -127,7 +128,7 @@ def run_case(case: dict, output_dir: str) -> dict:
     )
     trainer.train()
     parameters = parameter_summary(trainer.model_wrapped)
-    keys = ("snr/grad_sq_norm", "snr/trace_cov", "snr/lr_factor", "snr/effective_lr", "grad_norm", "loss",
+    keys = ("snr/grad_sq_norm", "snr/trace_cov", "snr/lr_factor", "oblr/lr", "grad_norm", "loss",
             "snr/full_batch_grad_sq_norm", "snr/small_batch_grad_sq_norm", "oblr/step_kl", "oblr/trust_region_factor")
     steps = [{k: h.get(k) for k in keys} for h in trainer.state.log_history if "loss" in h]
     return {"processes": trainer.accelerator.num_processes, "batches": trainer.gathered, "steps": steps,

@@ -60,13 +60,13 @@ def assert_logged_factors_in_bounds(trainer, steps: int) -> None:
     """Each logged factor of a run with the defaults in its own bounds: the calibrated SNR factor in
     [snr_lr_min_ratio, snr_lr_max_ratio], the trust region's in [lr_trust_region_min_ratio, its form's ceiling], the
     first step the probe."""
-    args, history = trainer.args, [log for log in trainer.state.log_history if "snr/lr_factor" in log]
+    tuning, history = trainer.rate_tuning, [log for log in trainer.state.log_history if "snr/lr_factor" in log]
     assert len(history) == steps
-    ceiling = largest_factor(args.lr_trust_region_mode, args.lr_trust_region_max_ratio)
+    ceiling = largest_factor(tuning.lr_trust_region_mode, tuning.lr_trust_region_max_ratio)
     for log in history:
-        assert args.snr_lr_min_ratio <= log["snr/lr_factor"] <= args.snr_lr_max_ratio
-        assert args.lr_trust_region_min_ratio <= log["oblr/trust_region_factor"] <= ceiling
-    assert history[0]["oblr/trust_region_factor"] == pytest.approx(args.lr_trust_region_min_ratio)
+        assert tuning.snr_lr_min_ratio <= log["snr/lr_factor"] <= tuning.snr_lr_max_ratio
+        assert tuning.lr_trust_region_min_ratio <= log["oblr/trust_region_factor"] <= ceiling
+    assert history[0]["oblr/trust_region_factor"] == pytest.approx(tuning.lr_trust_region_min_ratio)
 
 
 def assert_rates_reach_the_optimizer(result: dict) -> None:

@@ -162,7 +162,7 @@ def test_aggregate_normalize_then_sum_standardises_each_function_per_group():
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The lower-variance estimates of b*: shrunk and pooled slope
+# The lower-variance estimate of b*: the pooled slope
 # ----------------------------------------------------------------------------------------------------------------
 
 
@@ -172,36 +172,29 @@ def naive_mean_and_variance(values):
 
 
 @pytest.mark.parametrize("leave_one_out", [True, False])
-def test_shrunk_and_pooled_slope_baselines_equal_a_naive_loop(leave_one_out):
-    from oblr_trl.estimators.baselines import pooled_slope_baseline, shrunk_baseline
+def test_pooled_slope_baseline_equals_a_naive_loop(leave_one_out):
+    from oblr_trl.estimators.baselines import pooled_slope_baseline
 
     rewards = [[1.0, 0.0, 1.0, 0.0, 1.0], [0.5, NAN, 0.0, 1.0, 1.0]]
     weights = [[1.0, 2.0, 3.0, 4.0, 5.0], [2.0, 1.0, 7.0, 0.5, 1.0]]
-    shrunk = shrunk_baseline(torch.tensor(rewards), torch.tensor(weights), 0.25, leave_one_out).baseline
     pooled = pooled_slope_baseline(torch.tensor(rewards), 0.7, leave_one_out).baseline
     for n, (group_r, group_w) in enumerate(zip(rewards, weights)):
         for i in range(len(group_r)):
             if math.isnan(group_r[i]):
-                assert math.isnan(shrunk[n, i]) and math.isnan(pooled[n, i])
+                assert math.isnan(pooled[n, i])
                 continue
             others = [j for j in range(len(group_r)) if (j != i or not leave_one_out) and math.isfinite(group_r[j])]
-            weighted = sum(group_w[j] * group_r[j] for j in others) / sum(group_w[j] for j in others)
             mean, variance = naive_mean_and_variance([group_r[j] for j in others])
-            assert shrunk[n, i].item() == pytest.approx(0.25 * weighted + 0.75 * mean, rel=1e-6)
             assert pooled[n, i].item() == pytest.approx(mean + 0.7 * variance, rel=1e-6)
 
 
-def test_pooled_slope_of_zero_is_rloo_and_shrinkage_spans_rloo_to_weighted():
-    from oblr_trl.estimators.baselines import pooled_slope_baseline, shrunk_baseline
+def test_pooled_slope_of_zero_is_rloo():
+    from oblr_trl.estimators.baselines import pooled_slope_baseline
 
     generator = torch.Generator().manual_seed(0)
     rewards = torch.randint(0, 2, (6, 8), generator=generator).double()
-    weights = torch.rand(6, 8, generator=generator, dtype=torch.float64) * 50
     rloo = gradient_weighted_loo_baseline(rewards, torch.ones_like(rewards)).baseline
-    weighted = gradient_weighted_loo_baseline(rewards, weights).baseline
     assert torch.allclose(pooled_slope_baseline(rewards, 0.0).baseline, rloo)
-    assert torch.allclose(shrunk_baseline(rewards, weights, 0.0).baseline, rloo)
-    assert torch.allclose(shrunk_baseline(rewards, weights, 1.0).baseline, weighted)
     same = torch.full((1, 4), 0.3, dtype=torch.float64)  # no reward spread: advantages of exactly 0
     assert torch.equal(pooled_slope_baseline(same, 5.0).baseline, same)
 
@@ -231,15 +224,15 @@ def test_pooled_slope_is_the_weighted_least_squares_slope_and_round_trips():
     assert fit.value == restored.value
 
 
-@pytest.mark.parametrize("estimator", ["shrunk", "pooled_slope"])
-def test_advantages_dispatch_to_the_estimator(estimator):
+def test_advantages_dispatch_to_the_estimator():
     rewards = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 1.0, 1.0], dtype=torch.float64)
     weights = torch.tensor([1.0, 9.0, 2.0, 3.0, 1.0, 1.0, 5.0, 2.0], dtype=torch.float64)
     default = gradient_weighted_advantages(rewards, weights, 4)
-    other = gradient_weighted_advantages(rewards, weights, 4, estimator=estimator, shrinkage=0.5, slope=0.8)
+    other = gradient_weighted_advantages(rewards, weights, 4, estimator="pooled_slope", slope=0.8)
     assert not torch.allclose(default.advantages, other.advantages)
-    with pytest.raises(ValueError, match="estimator"):
-        gradient_weighted_advantages(rewards, weights, 4, estimator="median")
+    for retired in ("median", "shrunk"):
+        with pytest.raises(ValueError, match="estimator"):
+            gradient_weighted_advantages(rewards, weights, 4, estimator=retired)
 
 
 def test_rows_whose_weights_matter_are_those_of_groups_with_reward_spread():
@@ -254,7 +247,7 @@ def test_rows_whose_weights_matter_are_those_of_groups_with_reward_spread():
     assert rows_whose_weights_matter(rewards, 3).tolist() == expected
 
 
-@pytest.mark.parametrize("estimator", ["weighted", "shrunk", "pooled_slope"])
+@pytest.mark.parametrize("estimator", ["weighted", "pooled_slope"])
 @pytest.mark.parametrize("leave_one_out", [True, False])
 def test_weights_of_groups_without_spread_change_no_advantage_and_no_fallback(estimator, leave_one_out):
     """What lets `exact` skip measuring them: NaN (not measured), 0 or any weight there gives the same advantages, no

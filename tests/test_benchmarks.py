@@ -21,7 +21,7 @@ def run(script, *args):
 
 @pytest.mark.parametrize("script", ["variance.py", "overhead.py", "learning.py", "synthetic_learning.py",
                                     "stability.py", "step_kl_sampling.py", "random_model.py",
-                                    "exact_weights_profile.py", "kl_prediction.py"])
+                                    "exact_weights_profile.py", "kl_prediction.py", "snr_forms.py"])
 def test_help(script):
     assert "usage" in run(script, "--help")
 
@@ -103,10 +103,10 @@ def test_overhead_smoke(saved_tiny_model, tmp_path):
     assert summary["oblrpo"]["median_snr_sketch_seconds"] > 0 and summary["grpo"]["median_snr_sketch_seconds"] == 0
     # the defaults measure the first step with a gradient (the warm-up step here, if it had one) and then every k-th:
     # the time per measurement counts the warm-up step, so that a cadence longer than the window still has its cost
-    from oblr_trl import OBLRPOConfig
+    from oblr_trl.training.step_control import RateRuleTuning
 
     kl_runs = [r for r in results["runs"] if r["variant"] == "oblrpo"]
-    assert all(r["step_kl_measure_every"] == OBLRPOConfig.lr_trust_region_measure_steps for r in kl_runs)
+    assert all(r["step_kl_measure_every"] == RateRuleTuning.lr_trust_region_measure_steps for r in kl_runs)
     assert all(r["step_kl_measurements"] <= 1 and (r["step_kl_seconds_per_measurement"] is None) ==
                (r["step_kl_measurements"] == 0) for r in kl_runs)
     assert all(r["gradient_step_frac"] is not None for r in kl_runs)
@@ -396,6 +396,31 @@ def test_synthetic_learning_smoke(tmp_path):
     assert (tmp_path / "summary.png").exists() and "AUC − grpo" in out
 
 
+def test_snr_forms_pairs_each_form_with_the_trust_region_alone_per_batch_size_schedule_and_rate(tmp_path, monkeypatch):
+    """Each form runs the shipped rule with its SNR factor: `none` has none, `raise-only` never lowers, `lower-only`
+    never raises, `paper` stays in [0.1, 1]; every difference is paired against `none`, and the summary, table and
+    figure are written."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import snr_forms
+
+    snr_forms.main(["--prompts", "4", "8", "--validation_seeds", "2", "--test_seeds", "3", "--steps", "30",
+                    "--schedules", "constant", "linear", "--output_dir", str(tmp_path)])
+    summary = json.loads((tmp_path / "snr_forms.json").read_text())
+    assert set(summary["schedules"]) == {"constant", "linear"} and summary["test_seeds"] == [1000, 1001, 1002]
+    for schedule in summary["schedules"].values():
+        assert set(schedule) == {"4", "8"}
+        for size in schedule.values():
+            assert size["grpo_best_rate"] in snr_forms.GRPO_RATES and len(size["rates"]) == 2
+            for cells in (rate["forms"] for rate in size["rates"].values()):
+                assert set(cells) == set(snr_forms.FORMS)
+                assert cells["none"]["acts"] == 0.0 and cells["none"]["auc_minus_none"]["mean"] == 0.0
+                assert cells["raise-only"]["factor_range"][0] >= 1.0
+                assert cells["lower-only"]["factor_range"][1] <= 1.0 and cells["lower-only"]["factor_range"][0] >= 0.5
+                low, high = cells["paper"]["factor_range"]
+                assert 0.1 - 1e-6 <= low and high <= 1.0 and cells["paper"]["acts"] > 0
+    assert (tmp_path / "snr_forms.png").exists() and "AUC − none" in (tmp_path / "snr_forms.md").read_text()
+
+
 def test_synthetic_trust_region_probes_then_sizes_the_step_by_delta(monkeypatch):
     """The testbed's trust region is the trainer's rule: a probe at min_ratio × the rate, then η = sqrt(δ/ĉ)."""
     import torch
@@ -432,9 +457,8 @@ def test_the_synthetic_defaults_run_the_rule_that_ships(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     import synthetic_learning as synthetic
 
-    from oblr_trl.training.options import OBLRPOOptions
-
-    assert synthetic.METHODS["defaults"].rate_options() == OBLRPOOptions()
+    assert synthetic.METHODS["defaults"].rate == {} and synthetic.METHODS["defaults"].runs_shipped_rate
+    assert not synthetic.METHODS["oblrpo"].runs_shipped_rate
     task = synthetic.Task(steps=4, eval_every=4)
     teacher = torch.randn(task.length, task.vocab, task.dim, generator=torch.Generator().manual_seed(0))
     held_out = torch.randn(8, task.dim, generator=torch.Generator().manual_seed(1))
@@ -554,6 +578,7 @@ def test_a_cached_run_of_the_defaults_is_rerun_when_their_trust_region_changes(t
     from learning import current
 
     from oblr_trl import OBLRPOConfig
+    from oblr_trl.training.step_control import RateRuleTuning
 
     default = OBLRPOConfig.lr_trust_region_kl
     assert default is not None
@@ -566,9 +591,9 @@ def test_a_cached_run_of_the_defaults_is_rerun_when_their_trust_region_changes(t
     before = cached("before", method="oblrpo", overrides={})
     assert not current(before, {"method": "oblrpo", "overrides": {}})
     assert current(before, {"method": "oblrpo-no-trust", "overrides": {"lr_trust_region_kl": None}})
-    mode, curvature = OBLRPOConfig.lr_trust_region_mode, OBLRPOConfig.lr_trust_region_curvature
+    mode, curvature = RateRuleTuning.lr_trust_region_mode, RateRuleTuning.lr_trust_region_curvature
     now = cached("now", method="oblrpo", overrides={}, lr_trust_region_kl=default, lr_trust_region_mode=mode,
-                 lr_trust_region_measure_steps=OBLRPOConfig.lr_trust_region_measure_steps,
+                 lr_trust_region_measure_steps=RateRuleTuning.lr_trust_region_measure_steps,
                  lr_trust_region_curvature=curvature)
     assert current(now, {"method": "oblrpo", "overrides": {}})
     every_step = cached("every_step", method="oblrpo", overrides={}, lr_trust_region_kl=default,
@@ -588,13 +613,13 @@ def test_a_cached_run_of_the_defaults_is_rerun_when_their_trust_region_changes(t
     # re-run for `oblrpo`, and serves a spec that asks for the cap (per unit rate, the only reading then)
     per_rate = {"lr_trust_region_curvature": "per_rate"}
     before_target = cached("before_target", method="oblrpo", overrides={}, lr_trust_region_kl=default,
-                           lr_trust_region_measure_steps=OBLRPOConfig.lr_trust_region_measure_steps)
+                           lr_trust_region_measure_steps=RateRuleTuning.lr_trust_region_measure_steps)
     assert not current(before_target, {"method": "oblrpo", "overrides": {}})
     assert current(before_target, {"overrides": {"lr_trust_region_mode": "cap", **per_rate}})
     # and the curvature on 2026-11-29: a target-form run recorded before the curvature was (per unit rate) is re-run
     # for `oblrpo` (per update), and serves a spec that asks for the target form per unit rate
     before_peak = cached("before_peak", method="oblrpo", overrides={}, lr_trust_region_kl=default,
-                         lr_trust_region_measure_steps=OBLRPOConfig.lr_trust_region_measure_steps,
+                         lr_trust_region_measure_steps=RateRuleTuning.lr_trust_region_measure_steps,
                          lr_trust_region_mode="target")
     assert curvature == "per_update" and not current(before_peak, {"method": "oblrpo", "overrides": {}})
     assert current(before_peak, {"overrides": {"lr_trust_region_mode": "target", **per_rate}})
@@ -672,13 +697,13 @@ def test_the_grid_reports_the_defaults_from_the_trust_region_runs_that_are_them(
     sys.path.insert(0, str(BENCHMARKS))
     from stability import A_PLUS_B, PEAK_DELTA_METHOD, SMOLLM2_METHODS, defaults_twin, smollm2_grid
 
-    from oblr_trl import OBLRPOConfig
+    from common import shipped
 
     twin = defaults_twin(A_PLUS_B)
     overrides = SMOLLM2_METHODS[twin][0]
     for field in ("lr_trust_region_kl", "lr_trust_region_mode", "lr_trust_region_measure_steps",
                   "lr_trust_region_curvature"):
-        assert overrides[field] == getattr(OBLRPOConfig, field), field
+        assert overrides[field] == shipped(field), field
     assert twin == PEAK_DELTA_METHOD
 
     def runs(problems, method):

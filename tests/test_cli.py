@@ -520,7 +520,7 @@ def test_the_progress_bar_shows_reward_accuracy_factor_and_the_rate_used():
     from oblr_trl.progress import summary
 
     logs = {"loss": 0.1, "reward": 0.5, "rewards/accuracy_reward/mean": 0.625, "snr/lr_factor": 1.25,
-            "snr/effective_lr": 3.75e-5, "learning_rate": 3e-5, "snr/snr": 0.01, "completions/mean_length": 9.0}
+            "oblr/lr": 3.75e-5, "learning_rate": 3e-5, "snr/snr": 0.01, "completions/mean_length": 9.0}
     assert summary(logs) == {"reward": "0.500", "acc": "0.625", "f": "1.250", "lr": "3.75e-05"}
     assert summary({"loss": 0.1, "reward": 0.5, "learning_rate": 3e-5}) == {"reward": "0.500", "lr": "3.00e-05"}  # GRPO
 

@@ -23,33 +23,16 @@ def make(tmp_path, **kwargs):
         ("baseline_weights", "gradient", "'logit', 'length', 'exact', 'uniform'"),
         ("snr_estimator", "three_batch", "'cross_step', 'two_batch', 'per_sample'"),
         ("snr_lr_reference", "relative", "'calibrated', 'absolute'"),
-        ("baseline_estimator", "median", "'weighted', 'shrunk', 'pooled_slope'"),
-        ("baseline_shrinkage", 1.5, "[0, 1]"),
-        ("snr_calibration_steps", 1, "None or an integer >= 2"),
-        ("snr_lr_min_ratio", 0.0, "(0, 1]"),
-        ("snr_lr_min_ratio", 1.5, "(0, 1]"),
-        ("snr_lr_max_ratio", 0.9, ">= 1"),
+        ("baseline_estimator", "median", "'pooled_slope', 'weighted'"),
+        ("baseline_estimator", "shrunk", "'pooled_slope', 'weighted'"),  # retired 2026-12-02
         ("scale_rewards", "std", "'none', 'group', 'batch'"),
         ("multi_objective_aggregation", "max", "'sum_then_normalize', 'normalize_then_sum'"),
-        ("snr_ema_decay", 1.0, "[0, 1)"),
-        ("snr_ema_decay", -0.1, "[0, 1)"),
-        ("snr_warmup_steps", -1, ">= 0"),
-        ("snr_warmup_steps", 1.5, ">= 0"),
-        ("snr_lr_floor", 0.0, "(0, 1]"),
-        ("snr_lr_floor", 1.5, "(0, 1]"),
         ("per_sample_batch_size", 0, "None or an integer >= 1"),
         ("per_sample_batch_size", 2.5, "None or an integer >= 1"),
         ("lr_trust_region_kl", 0.0, "None or a finite float > 0"),
         ("lr_trust_region_kl", float("inf"), "None or a finite float > 0"),
-        ("lr_trust_region_mode", "both", "'cap', 'target'"),
-        ("lr_trust_region_min_ratio", 0.0, "(0, 1]"),
-        ("lr_trust_region_max_ratio", 0.5, ">= 1"),
-        ("lr_trust_region_ema_decay", 1.0, "[0, 1)"),
         ("lr_trust_region_sample_size", 0, "None or an integer >= 1"),
         ("lr_trust_region_sample_size", 0.5, "None or an integer >= 1"),
-        ("lr_trust_region_measure_steps", 0, "an integer >= 1"),
-        ("lr_trust_region_measure_steps", 2.0, "an integer >= 1"),
-        ("lr_trust_region_curvature", "per_step", "'per_rate', 'per_update'"),
     ],
 )
 def test_bad_values_name_field_and_allowed_values(tmp_path, field, value, allowed):
@@ -132,16 +115,20 @@ def test_per_sample_needs_two_samples_per_step(tmp_path):
 
 
 def test_defaults_follow_the_theory(tmp_path):
+    from oblr_trl.training.step_control import RateRuleTuning
+
     config = make(tmp_path)
     assert config.scale_rewards == GRPOConfig.scale_rewards == "group"  # measured: more robust to the rate
     assert (config.baseline_weights, config.leave_one_out, config.use_snr_lr, config.snr_estimator) == (
         "logit", True, True, "cross_step"
     )
-    assert (config.snr_lr_reference, config.snr_lr_min_ratio, config.snr_lr_max_ratio) == ("calibrated", 1.0, 2.0)
-    assert config.resolved_snr_calibration_steps == 20
-    assert make(tmp_path, snr_ema_decay=0.95).resolved_snr_calibration_steps == 40
-    assert make(tmp_path, snr_calibration_steps=7).resolved_snr_calibration_steps == 7
+    assert config.snr_lr_reference == "calibrated"
     assert make(tmp_path, scale_rewards=True).scale_rewards == "group"
+    tuning = RateRuleTuning()
+    assert (tuning.snr_lr_min_ratio, tuning.snr_lr_max_ratio, tuning.lr_trust_region_mode) == (1.0, 2.0, "peak")
+    assert tuning.resolved_snr_calibration_steps == 20
+    assert RateRuleTuning(snr_ema_decay=0.95).resolved_snr_calibration_steps == 40
+    assert RateRuleTuning(snr_calibration_steps=7).resolved_snr_calibration_steps == 7
 
 
 def test_bf16_default_resolves_to_what_the_machine_has(tmp_path, monkeypatch):
@@ -172,22 +159,57 @@ def test_trainer_refuses_a_plain_grpo_config(tmp_path, tokenizer):
         )
 
 
-def test_every_new_field_is_documented():
+def test_oblrpo_adds_twelve_fields_each_with_one_text_of_trls_length():
+    """The options a user holds: every one documented once, in its `help`, from which the docstring is written."""
+    import re
     from dataclasses import fields
 
     new = {f.name for f in fields(OBLRPOConfig)} - {f.name for f in fields(GRPOConfig)}
     assert new == {
-        "baseline_weights", "leave_one_out", "importance_weighted_baseline", "use_snr_lr", "snr_estimator",
-        "snr_ema_decay", "snr_warmup_steps", "snr_lr_floor", "skip_nonfinite_steps", "save_on_preemption",
-        "per_sample_batch_size", "snr_lr_reference", "snr_calibration_steps", "snr_lr_min_ratio", "snr_lr_max_ratio",
-        "baseline_estimator", "baseline_shrinkage", "lr_trust_region_kl", "lr_trust_region_mode",
-        "lr_trust_region_min_ratio", "lr_trust_region_max_ratio", "lr_trust_region_ema_decay", "log_step_kl",
-        "lr_trust_region_sample_size", "lr_trust_region_measure_steps", "lr_trust_region_curvature",
+        "baseline_weights", "baseline_estimator", "leave_one_out", "per_sample_batch_size", "use_snr_lr",
+        "snr_lr_reference", "snr_estimator", "lr_trust_region_kl", "lr_trust_region_sample_size", "log_step_kl",
+        "skip_nonfinite_steps", "save_on_preemption",
     }
+    documented = {}
+    for block in re.split(r"\n(?=        \w+ \(`)", OBLRPOConfig.__doc__.split("Parameters:")[1].split("> [!NOTE]")[0]):
+        name = re.match(r"\s*(\w+) \(`", block)
+        if name and name.group(1) in new:
+            text = block.split("):", 1)[1].split("\n\n")[0]
+            documented[name.group(1)] = " ".join(text.split())
     for f in fields(OBLRPOConfig):
-        if f.name in new or f.name == "scale_rewards":
-            assert len(f.metadata.get("help", "")) > 40, f.name
-            assert f.name in OBLRPOConfig.__doc__, f.name
+        if f.name in new:
+            assert len(f.metadata["help"]) <= 400, f.name
+            assert documented[f.name] == " ".join(f.metadata["help"].split()), f.name
+
+
+def test_a_docstring_that_says_what_its_help_does_not_fails_the_check(monkeypatch):
+    """The check above reads the docstring: a field whose docstring text is not its help is caught."""
+    import dataclasses
+
+    from oblr_trl.training import options
+
+    spec = next(f for f in dataclasses.fields(options.OBLRPOOptions) if f.name == "log_step_kl")
+    monkeypatch.setattr(spec, "metadata", {**spec.metadata, "help": spec.metadata["help"] + " And more."})
+    assert "And more." in options.parameters_doc()
+    assert "And more." not in OBLRPOConfig.__doc__
+
+
+def test_retired_options_are_refused_by_name(tmp_path):
+    for name, value in [("snr_lr_floor", 0.1), ("lr_trust_region_mode", "cap"), ("baseline_shrinkage", 0.5),
+                        ("importance_weighted_baseline", False), ("lr_trust_region_measure_steps", 4)]:
+        with pytest.raises(TypeError, match=name):
+            make(tmp_path, **{name: value})
+
+
+@pytest.mark.parametrize(("field", "value", "allowed"), [
+    ("lr_trust_region_mode", "both", "'peak', 'cap', 'target'"),
+    ("lr_trust_region_curvature", "per_step", "'per_rate', 'per_update'"),
+])
+def test_the_rate_rules_constants_are_checked_where_an_ablation_sets_them(field, value, allowed):
+    from oblr_trl.training.step_control import RateRuleTuning
+
+    with pytest.raises(ValueError, match=f"`{field}`.*{value}.*{allowed}"):
+        RateRuleTuning(**{field: value})
 
 
 @pytest.mark.parametrize(

@@ -128,8 +128,9 @@ def test_defaults_quoted_in_prose_are_the_codes(page):
     import dataclasses
 
     from oblr_trl import OBLRPOConfig
+    from oblr_trl.training.step_control import RateRuleTuning
 
-    defaults = {f.name: f.default for f in dataclasses.fields(OBLRPOConfig)}
+    defaults = {f.name: f.default for cls in (OBLRPOConfig, RateRuleTuning) for f in dataclasses.fields(cls)}
     for pattern, expected in QUOTED_DEFAULTS:
         for found in re.findall(pattern, page.read_text()):
             found = found if isinstance(found, tuple) else (found,)
@@ -156,7 +157,7 @@ def test_the_delta_recipe_of_the_rate_rule_gets_the_committed_delta_from_the_com
     scaled, unscaled = [], []
     for run in runs:
         traces = run["traces"]
-        used = traces.get("oblr/lr") or traces["snr/effective_lr"]
+        used = traces.get("oblr/lr") or traces["snr/effective_lr"]  # the committed runs' name for it
         for kl, logged, grad_norm, rate in zip(traces["oblr/step_kl"], traces["learning_rate"], traces["grad_norm"],
                                                 used, strict=True):
             if grad_norm != 0 and kl == kl and logged > 0:

@@ -130,7 +130,7 @@ def test_wandb_offline_receives_every_oblr_metric(make_trainer, tmp_path, monkey
             break
         time.sleep(0.5)
     assert len(rows) == 3
-    for key in ("snr/lr_factor", "snr/effective_lr", "snr/snr", "snr/trace_cov", "oblr/baseline_mean",
+    for key in ("snr/lr_factor", "oblr/lr", "snr/snr", "snr/trace_cov", "oblr/baseline_mean",
                 "oblr/loo_fallback_frac", "oblr/weights/mean", "reward"):
         assert f"train/{key}" in rows[-1], key
     logged = [h for h in trainer.state.log_history if "loss" in h]

@@ -32,7 +32,7 @@ def train_safely(trainer):
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters()), "a parameter became non-finite"
     logged = [h for h in trainer.state.log_history if "loss" in h]
     for entry in logged:
-        for key in ("snr/lr_factor", "snr/effective_lr"):
+        for key in ("snr/lr_factor", "oblr/lr"):
             if key in entry:
                 assert math.isfinite(entry[key]), (key, entry[key])
     for advantages in getattr(trainer, "advantages", []):
@@ -188,7 +188,7 @@ def test_a_failing_reward_function_is_named(make_trainer):
          "`snr_estimator`: 'two_batch' needs"),
         ({"vllm_importance_sampling_clip_min": 3.0, "vllm_importance_sampling_clip_max": 2.0}, "must be less than"),
         ({"generation_batch_size": 16, "steps_per_generation": 2}, "can not be both configured"),
-        ({"snr_lr_floor": 0.0}, "`snr_lr_floor`"),
+        ({"lr_trust_region_sample_size": 0}, "`lr_trust_region_sample_size`"),
     ],
 )
 def test_contradictory_configuration_is_refused(tmp_path, overrides, match):

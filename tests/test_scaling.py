@@ -54,14 +54,11 @@ class WeightsUnderIS(OBLRPOTrainer):
 
 @pytest.mark.parametrize("mode", ["colocate", "server"])
 @pytest.mark.parametrize("is_mode", ["sequence_truncate", "token_truncate"])
-@pytest.mark.parametrize("importance_weighted", [True, False])
-def test_vllm_generation_and_importance_weighted_baseline(make_trainer, saved_tiny_model, monkeypatch, mode, is_mode,
-                                                          importance_weighted):
+def test_vllm_generation_and_importance_weighted_baseline(make_trainer, saved_tiny_model, monkeypatch, mode, is_mode):
     fake_vllm.install(monkeypatch, str(saved_tiny_model))
     trainer = make_trainer(
         model=str(saved_tiny_model), trainer_cls=WeightsUnderIS, use_vllm=True, vllm_mode=mode, max_steps=2,
         vllm_importance_sampling_mode=is_mode, vllm_importance_sampling_clip_max=10.0,
-        importance_weighted_baseline=importance_weighted,
     )
     trainer.train()
     backend = fake_vllm.FakeLLM.instances if mode == "colocate" else fake_vllm.FakeVLLMClient.instances
@@ -71,7 +68,7 @@ def test_vllm_generation_and_importance_weighted_baseline(make_trainer, saved_ti
         assert all(call["n"] == 4 for call in backend[0].generate_calls)
     ratios_seen = []
     for used, log_probs, log_sum_sq, mask, ratio in trainer.weight_records:
-        expected = logit_proxy_weights(log_probs, log_sum_sq, mask, ratio.square() if importance_weighted else None)
+        expected = logit_proxy_weights(log_probs, log_sum_sq, mask, ratio.square())
         assert torch.allclose(used, expected, rtol=1e-5, atol=1e-7)
         assert ratio.shape[1] == (1 if is_mode.startswith("sequence") else mask.shape[1])
         ratios_seen.append(ratio[mask.bool() if ratio.shape[1] > 1 else slice(None)].flatten())

@@ -85,7 +85,7 @@ CASES = [
     {"baseline_weights": "length", "scale_rewards": "none"},
     {"baseline_weights": "exact"},
     {"baseline_weights": "uniform", "multi_objective_aggregation": "normalize_then_sum", "scale_rewards": "batch"},
-    {"baseline_weights": "logit", "baseline_estimator": "shrunk", "baseline_shrinkage": 0.3},
+    {"baseline_weights": "logit", "baseline_estimator": "weighted"},
     {"baseline_weights": "logit", "baseline_estimator": "pooled_slope"},
 ]
 
@@ -104,9 +104,7 @@ def test_advantages_equal_pure_functions_of_gathered_inputs(make_trainer, overri
         )
         expected = gradient_weighted_advantages(
             rewards, weights, 4, overrides.get("leave_one_out", True), overrides.get("scale_rewards", "group"),
-            estimator=overrides.get("baseline_estimator", "pooled_slope"),
-            shrinkage=overrides.get("baseline_shrinkage", 0.5),
-            slope=slope.value,
+            estimator=overrides.get("baseline_estimator", "pooled_slope"), slope=slope.value,
         )
         slope.update(rewards.view(-1, 4), weights.view(-1, 4))
         assert torch.allclose(output["advantages"], expected.advantages, rtol=1e-4, atol=1e-6)
@@ -134,16 +132,16 @@ def test_each_weight_option_changes_advantages(make_trainer):
 
 
 def test_importance_weighted_baseline_squares_the_ratio(make_trainer):
-    """Under vLLM IS correction each token's weight is multiplied by ρ_t² (docs/importance_sampling.md)."""
+    """Under vLLM IS correction each token's weight is multiplied by ρ_t² (docs/importance_sampling.md); without a
+    ratio it is not."""
     output = {
         "completion_ids": torch.tensor([[5, 6, 7], [8, 9, 0]]),
         "completion_mask": torch.tensor([[1, 1, 1], [1, 1, 0]]),
         "importance_sampling_ratio": torch.tensor([[2.0], [0.5]]),
     }
-    on = make_trainer(baseline_weights="length").completion_weights.compute(output, None, "train")
-    off = make_trainer(baseline_weights="length", importance_weighted_baseline=False).completion_weights.compute(
-        output, None, "train"
-    )
+    weights = make_trainer(baseline_weights="length").completion_weights
+    on = weights.compute(output, None, "train")
+    off = weights.compute({k: v for k, v in output.items() if k != "importance_sampling_ratio"}, None, "train")
     assert off.tolist() == [3.0, 2.0]
     assert on.tolist() == [12.0, 0.5]
     uniform = make_trainer(baseline_weights="uniform").completion_weights.compute(output, None, "train")
@@ -187,7 +185,7 @@ def test_learning_rate_is_schedule_times_logged_factor(make_trainer, use_snr_lr)
     factors = [h["snr/lr_factor"] for h in logged]
     for (lr, scheduled), factor, h in zip(probe.seen, factors, logged):
         assert lr == pytest.approx(scheduled * factor, rel=1e-6)
-        assert h["snr/effective_lr"] == pytest.approx(lr, rel=1e-6)
+        assert h["oblr/lr"] == pytest.approx(lr, rel=1e-6)
         assert 0.05 <= factor <= 1.0
     assert factors[:2] == [1.0, 1.0]  # step 2 is the first paired with its predecessor, step 3 the first scaled
     assert any(f < 1.0 for f in factors[1:])
@@ -231,7 +229,7 @@ def test_metrics_are_logged_and_finite(make_trainer):
     for key in (
         "oblr/baseline_mean", "oblr/advantage_mean", "oblr/advantage_std", "oblr/weights/mean",
         "oblr/weights/group_max_min_ratio", "oblr/loo_fallback_frac", "snr/grad_sq_norm", "snr/trace_cov",
-        "snr/snr", "snr/lr_factor", "snr/effective_lr",
+        "snr/snr", "snr/lr_factor", "oblr/lr",
     ):
         assert key in logged and math.isfinite(logged[key]), key
 

@@ -1,6 +1,7 @@
 """The trust region of the step (docs/rate_rule.md): the rule, the KL it measures, and the trainer."""
 
 import copy
+import dataclasses
 import json
 import math
 
@@ -412,7 +413,7 @@ def test_the_trust_region_sets_the_rate_the_optimizer_uses(make_trainer):
     assert factors[0] == 0.01 and all(0.01 <= f < 1.0 for f in factors[1:])  # step 1: the probe, at the floor
     for h, used, factor in zip(logged, probe.seen, factors, strict=True):
         assert used == pytest.approx(1e-2 * h["snr/lr_factor"] * factor, rel=1e-6)
-        assert h["snr/effective_lr"] == pytest.approx(used, rel=1e-6)
+        assert h["oblr/lr"] == pytest.approx(used, rel=1e-6)
 
 
 @pytest.mark.parametrize("curvature", ["per_rate", "per_update"])
@@ -439,7 +440,7 @@ def test_the_peak_form_follows_the_schedule_and_logs_what_each_step_aimed_at(mak
             assert (factors[t] == factors[t - 1]) == (curvature == "per_rate")
     for h, used, factor in zip(logged, probe.seen, factors, strict=True):
         assert used == pytest.approx(h["learning_rate"] * factor, rel=1e-6)
-        assert h["oblr/lr"] == h["snr/effective_lr"] == pytest.approx(used, rel=1e-6)
+        assert h["oblr/lr"] == pytest.approx(used, rel=1e-6) and "snr/effective_lr" not in h
     assert "oblr/step_kl_target" not in logged[0]  # the probe aims at nothing
     assert all(h["oblr/step_kl_target"] > 0 for h in logged[1:])
     for t in range(2, 6):  # η̂_max after the last step measured before t
@@ -608,19 +609,20 @@ def test_measure_steps_measures_every_k_th_step_of_training(make_trainer):
     factors = _factors(trainer)
     assert factors[0] == 0.01 and factors[2] == factors[1] and factors[4] == factors[3]
     from oblr_trl.training.run_records import card_settings
+    from oblr_trl.training.step_control import RateRuleTuning, step_rate_rule
 
-    settings = card_settings(trainer.args, 5, trainer.num_generations, trainer.reward_func_names)
+    settings = card_settings(trainer.args, trainer.step_rate, 5, trainer.num_generations, trainer.reward_func_names)
     assert "measured every 2 steps" in settings["learning-rate factor"]
     assert "per unit of Adam's update" not in settings["learning-rate factor"]
-    per_update = copy.copy(trainer.args)
-    per_update.lr_trust_region_curvature = "per_update"
+    # the card reads the rule the run used, not the config: another rule, another sentence
+    tuning = dataclasses.replace(trainer.rate_tuning, lr_trust_region_curvature="per_update")
+    per_update = step_rate_rule(trainer.args, tuning)
     assert "per unit of Adam's update, measured every 2 steps after gaps of 1, 2, 4" in card_settings(
-        per_update, 5, trainer.num_generations, trainer.reward_func_names)["learning-rate factor"]
+        trainer.args, per_update, 5, trainer.num_generations, trainer.reward_func_names)["learning-rate factor"]
     # the card states the factor's range of the form the run used
     assert "(`target`, factor in [0.01, 10]" in settings["learning-rate factor"]
-    capped = copy.copy(trainer.args)
-    capped.lr_trust_region_mode = "cap"
-    assert "(`cap`, factor in [0.01, 1]" in card_settings(capped, 5, trainer.num_generations,
+    capped = step_rate_rule(trainer.args, RateRuleTuning(lr_trust_region_mode="cap"))
+    assert "(`cap`, factor in [0.01, 1]" in card_settings(trainer.args, capped, 5, trainer.num_generations,
                                                           trainer.reward_func_names)["learning-rate factor"]
 
 

@@ -41,8 +41,8 @@ def assert_noise_estimates_match(expected: list[dict], actual: list[dict], sampl
             assert two["snr/grad_sq_norm"] == pytest.approx(one["snr/grad_sq_norm"], abs=rel * scale), (one, two)
             assert two["snr/trace_cov"] == pytest.approx(one["snr/trace_cov"], abs=rel * samples * scale), (one, two)
         assert two["snr/lr_factor"] == pytest.approx(one["snr/lr_factor"], abs=rel), (one, two)
-        scheduled = one["snr/effective_lr"] / one["snr/lr_factor"]
-        assert two["snr/effective_lr"] == pytest.approx(one["snr/effective_lr"], abs=rel * scheduled), (one, two)
+        scheduled = one["oblr/lr"] / one["snr/lr_factor"]
+        assert two["oblr/lr"] == pytest.approx(one["oblr/lr"], abs=rel * scheduled), (one, two)
         assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=rel), (one, two)  # a norm: no cancellation
         if one.get("oblr/step_kl") is not None:
             # each token's k3 = e^Δ − 1 − Δ is formed from log-probability differences Δ of size ~sqrt(2·KL)

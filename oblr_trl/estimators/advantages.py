@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .baselines import gradient_weighted_baseline, pooled_slope_baseline, shrunk_baseline
+from .baselines import gradient_weighted_baseline, pooled_slope_baseline
 
 __all__ = [
     "AdvantageResult", "advantage_summary", "aggregate_rewards", "gradient_weighted_advantages", "nanstd",
@@ -112,15 +112,13 @@ def gradient_weighted_advantages(
     leave_one_out: bool = True,
     scale_rewards: str = "none",
     estimator: str = "weighted",
-    shrinkage: float = 0.5,
     slope: float | torch.Tensor = 0.0,
 ) -> AdvantageResult:
     """A_i = (r_i − b_i) / s with a gradient-weighted baseline b_i (docs/math.md).
 
     b_i estimates b* = E[w r]/E[w] from the group, leave-one-out or over the whole group: ``estimator`` `"weighted"`
-    ([`gradient_weighted_loo_baseline`] / [`group_weighted_baseline`]), `"shrunk"` ([`shrunk_baseline`], with
-    ``shrinkage`` λ) or `"pooled_slope"` ([`pooled_slope_baseline`], with ``slope`` ρ̂ from earlier batches). The
-    optional scale s follows
+    ([`gradient_weighted_loo_baseline`] / [`group_weighted_baseline`]) or `"pooled_slope"` ([`pooled_slope_baseline`],
+    with ``slope`` ρ̂ from earlier batches). The optional scale s follows
     TRL's ``scale_rewards``: ``"none"`` (s = 1, the default of the theory, which has no std scaling), ``"group"`` (std
     of the group's scored rewards + 1e-4) or ``"batch"`` (std over the whole batch + 1e-4). Any scaling makes the
     estimator biased, since the std depends on r_i.
@@ -131,7 +129,7 @@ def gradient_weighted_advantages(
         group_size: G.
         leave_one_out: leave-one-out baseline (unbiased) or whole-group baseline.
         scale_rewards: ``"none"``, ``"group"`` or ``"batch"``.
-        estimator, shrinkage, slope: which estimate of b* (see above) and its parameter.
+        estimator, slope: which estimate of b* (see above) and its parameter.
 
     Returns:
         An [`AdvantageResult`] whose ``advantages`` are always finite.
@@ -146,12 +144,10 @@ def gradient_weighted_advantages(
     grouped_weights = weights.view(-1, group_size)
     if estimator == "weighted":
         result = gradient_weighted_baseline(grouped, grouped_weights, leave_one_out=leave_one_out)
-    elif estimator == "shrunk":
-        result = shrunk_baseline(grouped, grouped_weights, shrinkage, leave_one_out=leave_one_out)
     elif estimator == "pooled_slope":
         result = pooled_slope_baseline(grouped, slope, leave_one_out=leave_one_out)
     else:
-        raise ValueError(f"estimator must be 'weighted', 'shrunk' or 'pooled_slope'; got {estimator!r}.")
+        raise ValueError(f"estimator must be 'weighted' or 'pooled_slope'; got {estimator!r}.")
     advantages = grouped - result.baseline
 
     if scale_rewards == "group":

@@ -12,9 +12,8 @@ stays unbiased), any baseline b_i pays for its own error: for b_i independent of
 
 so leave-one-out baselines rank by their mean squared error to b*. The plain weighted mean of the G − 1 others
 (`"weighted"`, the paper's) is the natural estimate but a noisy one when weights spread widely (an effective sample of
-~3 of 7 completions for a 55× spread). Two lower-variance estimates of the same b* are offered:
+~3 of 7 completions for a 55× spread). A lower-variance estimate of the same b*:
 
-* `"shrunk"`: λ·(weighted mean) + (1 − λ)·(uniform mean) of the others;
 * `"pooled_slope"`: b* = p + Cov(w, r)/E[w], and for a reward in [0, 1] the shift Cov(w, r)/E[w] is close to ρ·v with
   v = Var(r) the reward spread of the prompt and ρ a property of the policy shared across prompts (how much heavier
   the gradients of right answers are than wrong ones). So b_i = p̂₋ᵢ + ρ̂·v̂₋ᵢ, with p̂₋ᵢ, v̂₋ᵢ the mean and variance of
@@ -32,7 +31,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .choices import BASELINE_ESTIMATORS
 
 __all__ = [
     "BaselineResult",
@@ -41,7 +39,6 @@ __all__ = [
     "gradient_weighted_loo_baseline",
     "group_weighted_baseline",
     "pooled_slope_baseline",
-    "shrunk_baseline",
 ]
 
 @dataclass(frozen=True)
@@ -139,28 +136,6 @@ def gradient_weighted_baseline(rewards: torch.Tensor, weights: torch.Tensor, lea
     if leave_one_out:
         return gradient_weighted_loo_baseline(rewards, weights)
     return group_weighted_baseline(rewards, weights)
-
-
-def shrunk_baseline(
-    rewards: torch.Tensor, weights: torch.Tensor, shrinkage: float, leave_one_out: bool = True
-) -> BaselineResult:
-    """b_i = λ·Σ_{j∈S_i} w_j r_j / Σ_{j∈S_i} w_j + (1 − λ)·mean_{j∈S_i} r_j (module docstring, `"shrunk"`).
-
-    S_i is the other completions of the group (leave-one-out, unbiased) or the whole group. λ = 1 is the weighted
-    baseline, λ = 0 the uniform one (RLOO). Trades a little bias towards the uniform mean for much less noise when the
-    weights spread widely. Falls back as [`gradient_weighted_loo_baseline`] does (``fallback`` marks it).
-    """
-    _check_shapes(rewards, weights)
-    if not 0.0 <= shrinkage <= 1.0:
-        raise ValueError(f"shrinkage must be in [0, 1]; got {shrinkage}.")
-    include = _included(rewards, leave_one_out)
-    weighted = _baseline_over(rewards, weights, include)
-    uniform = _baseline_over(rewards, torch.ones_like(rewards), include)
-    return BaselineResult(
-        baseline=shrinkage * weighted.baseline + (1.0 - shrinkage) * uniform.baseline,
-        fallback=weighted.fallback,
-        defined=weighted.defined,
-    )
 
 
 def _mean_and_variance_over(rewards: torch.Tensor, include: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -91,10 +91,10 @@ class StepRateRule:
         return self.snr_part * self.trust_part
 
     def open_calibration_after(self, steps: int) -> None:
-        """The SNR factor's calibration window opens after ``steps`` estimates (the schedule's warm-up, say), so that
-        f_ref is measured once the rate has reached its scheduled value."""
+        """The SNR factor's calibration window opens after ``steps`` estimates (the schedule's warm-up, say) and not
+        before the factor's own warm-up, so that f_ref is measured once the rate has reached its scheduled value."""
         if self.snr is not None:
-            self.snr.calibration.start = steps
+            self.snr.calibration.start = max(self.snr.warmup_steps, steps)
 
     # Before a step ---------------------------------------------------------------------------------------------------
 

@@ -217,7 +217,7 @@ class CompletionWeights:
         if estimator == "uniform":
             return uniform_weights(mask)
         gains = loss_token_gains(mask, self.loss_type)
-        if self.args.importance_weighted_baseline and "importance_sampling_ratio" in output:
+        if "importance_sampling_ratio" in output:  # the baseline optimal for the IS-corrected estimator
             gains = gains * output["importance_sampling_ratio"].float()
         if estimator == "length":
             return length_weights(mask, gains.square())

@@ -31,6 +31,7 @@ import torch
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 
+from ..estimators.step_rate import StepRateRule
 from ..estimators.trust_region import largest_factor
 from .guards import PreemptionSignal, TrainingPreempted
 from .model_card import TOTAL_RUNTIME_KEY, ModelCardFacts, counted, model_card_text
@@ -221,7 +222,7 @@ class RunRecords:
             output_dir=folder,
             dataset_id=dataset_name or run.dataset_id,
             dataset_description=run.dataset_description,
-            settings=card_settings(args, state.max_steps, run.num_generations, run.reward_func_names),
+            settings=card_settings(args, self.step_rate, state.max_steps, run.num_generations, run.reward_func_names),
             log_history=state.log_history,
             tags=sorted({*run.tags, *tags}),
             curves=curves.name if curves.exists() else None,
@@ -232,27 +233,30 @@ class RunRecords:
         )
 
 
-def card_settings(args, max_steps: int, num_generations: int, reward_func_names) -> dict[str, str]:
+def rate_rule_description(rule: StepRateRule, snr_estimator: str) -> str:
+    """The learning-rate factor of a run in a sentence, read off the rule the run used."""
+    snr, trust = rule.snr, rule.trust_region
+    if snr is None:
+        description = "off (the scheduled rate)"
+    elif snr.reference == "calibrated":
+        description = f"calibrated SNR factor in [{snr.min_ratio:g}, {snr.max_ratio:g}] (`{snr_estimator}` estimator)"
+    else:
+        description = f"absolute SNR factor, floor {snr.floor:g} (`{snr_estimator}` estimator)"
+    if trust is not None:
+        gaps = " after gaps of 1, 2, 4, …" if rule.short_early_gaps else ""
+        description += (f"; trust region δ = {trust.target_kl:g} per token (`{trust.mode}`, factor in "
+                        f"[{trust.min_ratio:g}, {largest_factor(trust.mode, trust.max_ratio):g}]"
+                        + (", curvature per unit of Adam's update" if trust.per_update else "")
+                        + (f", measured every {rule.measure_every} steps{gaps})" if rule.measure_every > 1 else ")"))
+    return description
+
+
+def card_settings(args, rule: StepRateRule, max_steps: int, num_generations: int, reward_func_names) -> dict[str, str]:
     """The settings table of the card: what a reader needs to reproduce the run (``max_steps``: the Trainer's, ≤ 0
     before training computed it)."""
     steps = max_steps if max_steps > 0 else max(args.max_steps, 1)
     per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
-    if args.use_snr_lr and args.snr_lr_reference == "calibrated":
-        rate_rule = (f"calibrated SNR factor in [{args.snr_lr_min_ratio:g}, {args.snr_lr_max_ratio:g}] "
-                     f"(`{args.snr_estimator}` estimator)")
-    elif args.use_snr_lr:
-        rate_rule = f"absolute SNR factor, floor {args.snr_lr_floor:g} (`{args.snr_estimator}` estimator)"
-    else:
-        rate_rule = "off (the scheduled rate)"
-    if args.lr_trust_region_kl is not None:
-        per_update = args.lr_trust_region_curvature == "per_update"
-        rate_rule += (f"; trust region δ = {args.lr_trust_region_kl:g} per token (`{args.lr_trust_region_mode}`, "
-                      f"factor in [{args.lr_trust_region_min_ratio:g}, "
-                      f"{largest_factor(args.lr_trust_region_mode, args.lr_trust_region_max_ratio):g}]"
-                      + (", curvature per unit of Adam's update" if per_update else "")
-                      + (f", measured every {args.lr_trust_region_measure_steps} steps"
-                         + (" after gaps of 1, 2, 4, …)" if per_update else ")")
-                         if args.lr_trust_region_measure_steps > 1 else ")"))
+    rate_rule = rate_rule_description(rule, args.snr_estimator)
     prompts = per_step // num_generations
     return {
         "learning rate": f"{args.learning_rate:g}, `{_plain(args.lr_scheduler_type)}`, "

@@ -17,33 +17,70 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, MutableMapping
+from dataclasses import dataclass
 
 import torch
 
+from ..estimators.choices import TRUST_REGION_CURVATURES, TRUST_REGION_MODES
 from ..estimators.snr import NoiseEstimate, SNRLearningRateController, gradient_noise_scale
 from ..estimators.step_rate import StepRateRule
 from ..estimators.trust_region import TrustRegionRate, adam_update_square_sum
 from .optim_hooks import OptimizerStepGate, StepLearningRateScale, innermost_optimizer
-from .options import OBLRPOOptions
+from .options import OBLRPOOptions, check_one_of
 
-__all__ = ["OptimizerStepControl", "step_rate_rule"]
+__all__ = ["OptimizerStepControl", "RateRuleTuning", "step_rate_rule"]
 
 
-def step_rate_rule(options: OBLRPOOptions) -> StepRateRule:
-    """The rate rule the options configure (the calibration window opens after `snr_warmup_steps`; the trainer
-    moves it past the learning-rate warm-up when training starts)."""
+@dataclass(frozen=True)
+class RateRuleTuning:
+    """The constants of the rate rule, at the values it ships with (docs/rate_rule.md gives the measurement behind
+    each). They are not configuration: the benchmarks' ablations vary them (`OBLRPOTrainer.rate_tuning`)."""
+
+    snr_ema_decay: float = 0.9  # β of the moving averages of ‖μ‖² and tr Σ
+    snr_warmup_steps: int = 5  # estimates seen before the SNR factor acts
+    snr_calibration_steps: int | None = None  # smallest calibration window; None: max(20, ⌈2/(1 − β)⌉)
+    snr_lr_min_ratio: float = 1.0  # the calibrated factor f_t / f_ref is clipped to [min, max]
+    snr_lr_max_ratio: float = 2.0
+    snr_lr_floor: float = 0.1  # smallest factor of the `absolute` reference
+    lr_trust_region_mode: str = "peak"  # `cap` and `target`: the forms before the peak form (CHANGELOG.md)
+    lr_trust_region_min_ratio: float = 0.01  # smallest trust-region factor, and the probe's
+    lr_trust_region_max_ratio: float = 10.0
+    lr_trust_region_ema_decay: float = 0.5  # of the curvature's moving average
+    lr_trust_region_curvature: str = "per_update"  # `per_rate`: KL/lr² alone
+    lr_trust_region_measure_steps: int = 16  # measure every k-th step with a gradient
+
+    @classmethod
+    def split(cls, settings: dict) -> tuple[RateRuleTuning, dict]:
+        """``settings`` as the constants among them and the rest (config fields): ``(tuning, rest)``."""
+        tuning = cls(**{key: value for key, value in settings.items() if key in cls.__dataclass_fields__})
+        return tuning, {key: value for key, value in settings.items() if key not in cls.__dataclass_fields__}
+
+    def __post_init__(self):
+        check_one_of("lr_trust_region_mode", self.lr_trust_region_mode, TRUST_REGION_MODES)
+        check_one_of("lr_trust_region_curvature", self.lr_trust_region_curvature, TRUST_REGION_CURVATURES)
+
+    @property
+    def resolved_snr_calibration_steps(self) -> int:
+        if self.snr_calibration_steps is not None:
+            return self.snr_calibration_steps
+        return max(20, math.ceil(round(2.0 / (1.0 - self.snr_ema_decay), 6)))
+
+
+def step_rate_rule(options: OBLRPOOptions, tuning: RateRuleTuning = RateRuleTuning()) -> StepRateRule:
+    """The rate rule the options configure, with the constants of ``tuning`` (the calibration window opens after
+    `snr_warmup_steps`; the trainer moves it past the learning-rate warm-up when training starts)."""
     snr = SNRLearningRateController(
-        options.snr_ema_decay, options.snr_warmup_steps, options.snr_lr_floor, reference=options.snr_lr_reference,
-        calibration_start=options.snr_warmup_steps, calibration_steps=options.resolved_snr_calibration_steps,
-        min_ratio=options.snr_lr_min_ratio, max_ratio=options.snr_lr_max_ratio,
+        tuning.snr_ema_decay, tuning.snr_warmup_steps, tuning.snr_lr_floor, reference=options.snr_lr_reference,
+        calibration_start=tuning.snr_warmup_steps, calibration_steps=tuning.resolved_snr_calibration_steps,
+        min_ratio=tuning.snr_lr_min_ratio, max_ratio=tuning.snr_lr_max_ratio,
     ) if options.use_snr_lr else None
-    per_update = options.lr_trust_region_curvature == "per_update"
+    per_update = tuning.lr_trust_region_curvature == "per_update"
     trust_region = None if options.lr_trust_region_kl is None else TrustRegionRate(
-        options.lr_trust_region_kl, options.lr_trust_region_mode, options.lr_trust_region_ema_decay,
-        options.lr_trust_region_min_ratio, options.lr_trust_region_max_ratio, per_update=per_update,
+        options.lr_trust_region_kl, tuning.lr_trust_region_mode, tuning.lr_trust_region_ema_decay,
+        tuning.lr_trust_region_min_ratio, tuning.lr_trust_region_max_ratio, per_update=per_update,
     )
     return StepRateRule(snr, trust_region, log_kl=options.log_step_kl,
-                        measure_every=options.lr_trust_region_measure_steps, short_early_gaps=per_update)
+                        measure_every=tuning.lr_trust_region_measure_steps, short_early_gaps=per_update)
 
 
 class OptimizerStepControl:
@@ -223,7 +260,6 @@ class OptimizerStepControl:
         if self.rule.trust_region is not None:
             self.metrics["oblr/trust_region_factor"].append(self.rule.trust_part)
         self.metrics["oblr/lr"].append(self._scaled_lr)
-        self.metrics["snr/effective_lr"].append(self._scaled_lr)  # the old name, until the next minor release
 
     @property
     def applied_lr(self) -> float | None:

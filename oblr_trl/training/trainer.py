@@ -39,7 +39,8 @@ from .config import OBLRPOConfig, check_backend, deepspeed_fp16
 from .generation_hooks import empty_completions_as_eos
 from .guards import check_prompt_lengths, checked_reward_funcs
 from .run_records import RunDescription, RunRecords
-from .step_control import OptimizerStepControl, step_rate_rule
+from .step_control import OptimizerStepControl, RateRuleTuning, step_rate_rule
+from .vllm_colocate import generation_dtype, track_repacked_weights, vllm_loads_in
 from .step_kl import StepKLRecorder
 from .step_noise import StepNoiseRecorder, loss_scale
 
@@ -59,7 +60,7 @@ class _OBLRPOCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         self.trainer.step_control.attach(self.trainer.optimizer)
         # the calibration of the SNR factor starts once the learning rate has reached its scheduled value
-        self.trainer.step_rate.open_calibration_after(max(args.snr_warmup_steps, args.get_warmup_steps(state.max_steps)))
+        self.trainer.step_rate.open_calibration_after(args.get_warmup_steps(state.max_steps))
         if args.save_on_preemption:
             self.trainer.records.preemption.install()
 
@@ -125,6 +126,7 @@ class OBLRPOTrainer(GRPOTrainer):
             }"""),
     }
     weights_class = CompletionWeights  # where the weights come from (a subclass can observe or replace them)
+    rate_tuning = RateRuleTuning()  # the rate rule's constants (the benchmarks' ablations set their own)
 
     def __init__(self, model, reward_funcs=None, args: OBLRPOConfig | None = None, *trainer_args, **trainer_kwargs):
         base_model_id = None
@@ -144,7 +146,10 @@ class OBLRPOTrainer(GRPOTrainer):
         reward_funcs = checked_reward_funcs(
             reward_funcs, trainer_kwargs.get("train_dataset", (*trainer_args, None)[0]), not environment_owned
         )
-        super().__init__(model, reward_funcs, args, *trainer_args, **trainer_kwargs)
+        with vllm_loads_in(lambda: generation_dtype(self.model, args.bf16, args.fp16)):
+            super().__init__(model, reward_funcs, args, *trainer_args, **trainer_kwargs)
+        if self.use_vllm and args.vllm_mode == "colocate":
+            track_repacked_weights(self.vllm_generation)
         self._check_supported(args)
         # what the model card cannot read from the model and the data (set by `oblr-trl train`): the YAML recipe, the
         # base model's Hub id (a built-in model is a local folder), the Hub dataset and where the problems came from
@@ -176,11 +181,11 @@ class OBLRPOTrainer(GRPOTrainer):
 
         # the rate of every step: f_t of step t comes from the estimates of steps < t (under DeepSpeed the optimizer
         # steps inside the last backward, before step t's gradient norm exists), g_t from the KL earlier steps moved
-        self.step_rate = step_rate_rule(args)
+        self.step_rate = step_rate_rule(args, self.rate_tuning)
         self.snr_recorder = StepNoiseRecorder(
             self._trainable_parameters(), args.snr_estimator, self.num_generations,
             sharded=self._is_fsdp2, gradients_in_grad=not self.is_deepspeed_enabled, seed=args.seed,
-        ) if args.use_snr_lr else None
+        ) if self.step_rate.snr is not None else None
         self.kl_recorder = StepKLRecorder(
             self.completion_weights.token_log_probs, lambda stats: self.accelerator.reduce(stats, reduction="sum"),
             sample_size=None if self._is_vlm else args.lr_trust_region_sample_size,
@@ -323,8 +328,7 @@ class OBLRPOTrainer(GRPOTrainer):
         weights = self.accelerator.gather(local_weights.float().contiguous())
         result = gradient_weighted_advantages(
             rewards, weights, num_generations, self.args.leave_one_out, self.scale_rewards,
-            estimator=self.args.baseline_estimator, shrinkage=self.args.baseline_shrinkage,
-            slope=self.pooled_slope.value,
+            estimator=self.args.baseline_estimator, slope=self.pooled_slope.value,
         )
         if self.args.baseline_estimator == "pooled_slope":
             self._metrics[mode]["oblr/baseline_slope"].append(self.pooled_slope.value)
