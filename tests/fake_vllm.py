@@ -1,8 +1,11 @@
 """A test double for vLLM's `LLM` / `SamplingParams` (colocate mode) and TRL's `VLLMClient` (server mode).
 
-It generates with a local transformers model, returns per-token log-probabilities in vLLM's format, and receives the
-trainer's weight syncs. Its sampling distribution is deliberately a little off the trainer's (a logit bias), as vLLM's
-is in practice, so that importance-sampling ratios differ from 1.
+It generates with a local transformers model, in the dtype it is built with (vLLM's `dtype`, "auto" the checkpoint's),
+returns per-token log-probabilities in vLLM's format, and receives the trainer's weight syncs. Its sampling
+distribution is deliberately a little off the trainer's (a logit bias), as vLLM's is in practice, so that
+importance-sampling ratios differ from 1. What it does not do, and `tests/test_vllm.py` checks on vLLM itself: vLLM's
+CPU build packs each linear layer's weight and drops the parameter, so that TRL's weight sync needs
+`training.vllm_colocate.track_repacked_weights`; and vLLM's engine tears its process groups down at exit.
 """
 
 from __future__ import annotations
@@ -63,7 +66,7 @@ class FakeLLM:
     instances: list[FakeLLM] = []
 
     def __init__(self, model, seed=0, **kwargs):
-        self.model = AutoModelForCausalLM.from_pretrained(model).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(model, dtype=kwargs.get("dtype", "auto")).eval()
         self.kwargs = kwargs
         self.generator = torch.Generator().manual_seed(seed)
         self.weight_syncs = 0

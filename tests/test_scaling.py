@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import fake_vllm
 import pytest
@@ -64,6 +65,8 @@ def test_vllm_generation_and_importance_weighted_baseline(make_trainer, saved_ti
     backend = fake_vllm.FakeLLM.instances if mode == "colocate" else fake_vllm.FakeVLLMClient.instances
     assert len(backend) == 1
     assert (backend[0].weight_syncs if mode == "colocate" else backend[0].weight_updates) >= 2  # one per step
+    if mode == "colocate":  # the engine is built in the dtype the policy computes in (TRL passes none)
+        assert backend[0].kwargs["dtype"] == "float32" and backend[0].model.dtype == torch.float32
     if mode == "server":
         assert all(call["n"] == 4 for call in backend[0].generate_calls)
     ratios_seen = []
@@ -440,3 +443,36 @@ def test_checkpoints_carry_the_pooled_slope(make_trainer, tmp_path):
     resumed.create_optimizer_and_scheduler(num_training_steps=3)
     resumed._load_optimizer_and_scheduler(str(tmp_path / "run" / "checkpoint-2"))
     assert resumed.pooled_slope.value == trainer.pooled_slope.value
+
+
+def test_the_colocated_engine_samples_in_the_policys_compute_dtype_and_is_closed_on_request():
+    """The CPU twin of tests/test_vllm.py's dtype check: the autocast dtype under bf16/fp16, the parameters' otherwise;
+    a dtype the caller gives is kept; the context puts TRL's `LLM` back; the engine's shutdown is called once asked."""
+    import trl.generation.vllm_generation as vllm_generation
+
+    from oblr_trl.training.vllm_colocate import close_colocated_vllm, generation_dtype, vllm_loads_in
+
+    model = torch.nn.Linear(2, 2).to(torch.float64)
+    assert generation_dtype(model, bf16=False, fp16=False) == torch.float64
+    assert generation_dtype(model, bf16=True, fp16=False) == torch.bfloat16
+    assert generation_dtype(model, bf16=False, fp16=True) == torch.float16
+    built = []
+    original = getattr(vllm_generation, "LLM", None)
+    vllm_generation.LLM = lambda **kwargs: built.append(kwargs)
+    try:
+        with vllm_loads_in(lambda: torch.float32):
+            vllm_generation.LLM(model="m")
+            vllm_generation.LLM(model="m", dtype="bfloat16")
+        vllm_generation.LLM(model="m")
+    finally:
+        if original is None:
+            del vllm_generation.LLM
+        else:
+            vllm_generation.LLM = original
+    assert [kwargs.get("dtype") for kwargs in built] == ["float32", "bfloat16", None]
+    shut = []
+    trainer = SimpleNamespace(vllm_generation=SimpleNamespace(llm=SimpleNamespace(
+        llm_engine=SimpleNamespace(engine_core=SimpleNamespace(shutdown=lambda: shut.append(True))))))
+    close_colocated_vllm(trainer)
+    close_colocated_vllm(SimpleNamespace())  # no engine: nothing to do
+    assert shut == [True]

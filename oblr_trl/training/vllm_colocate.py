@@ -58,15 +58,13 @@ def track_repacked_weights(generation) -> bool:
     """Make ``generation.sync_weights`` (TRL's `VLLMGeneration`) reach a colocated engine on vLLM's CPU backend;
     returns whether it needed to (no engine, or another platform: TRL's sync is left as it is)."""
     llm = getattr(generation, "llm", None)
-    if llm is None:
-        return False
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
+    runner = getattr(getattr(getattr(getattr(llm, "llm_engine", None), "model_executor", None), "driver_worker", None),
+                     "model_runner", None)  # where TRL's sync loads the weights
+    modules = getattr(getattr(runner, "model", None), "modules", None)
+    if modules is None or not any(hasattr(module, "cpu_linear") for module in modules()):  # not the CPU build
         return False
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
-    runner = llm.llm_engine.model_executor.driver_worker.model_runner  # where TRL's sync loads the weights
     sync = generation.sync_weights
 
     def sync_weights() -> None:
