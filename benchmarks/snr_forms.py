@@ -26,6 +26,7 @@ import argparse
 import sys
 from pathlib import Path
 
+import numpy
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -142,8 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     schedules = list(summary["schedules"])
     labels = list(next(iter(summary["schedules"][schedules[0]].values()))["rates"])
     figure, axes = new_figure(len(labels), (6 * len(labels), 4.2 * len(schedules)), rows=len(schedules))
-    axes = [[axes]] if len(labels) == len(schedules) == 1 else [axes] if len(schedules) == 1 else (
-        [[axis] for axis in axes] if len(labels) == 1 else axes)
+    axes = numpy.asarray(axes).reshape(len(schedules), len(labels))  # one row per schedule, however few
     for row, schedule in zip(axes, schedules, strict=True):
         sizes = list(summary["schedules"][schedule])
         for axis, label in zip(row, labels, strict=True):
