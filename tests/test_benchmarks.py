@@ -1,7 +1,11 @@
 """The benchmark scripts run end to end at a tiny size (seconds), so that they cannot rot."""
 
+import contextlib
+import importlib
+import io
 import json
 import math
+import os
 import subprocess
 import sys
 from dataclasses import replace
@@ -14,16 +18,33 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 def run(script, *args):
-    done = subprocess.run([sys.executable, str(BENCHMARKS / script), *args], capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
-    return done.stdout
+    """``script``'s ``main(args)`` in this process (what ``python benchmarks/<script> args`` runs, less the import of
+    torch, transformers and TRL each time: the runs it starts are processes of their own either way); its stdout."""
+    import torch
+
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS))
+    module = importlib.import_module(Path(script).stem)
+    threads, printed = torch.get_num_threads(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            status = module.main(list(args))
+    except SystemExit as stopped:  # --help, or a refusal
+        status = stopped.code
+    finally:
+        torch.set_num_threads(threads)
+    assert status in (0, None), printed.getvalue()[-3000:]
+    return printed.getvalue()
 
 
 @pytest.mark.parametrize("script", ["variance.py", "overhead.py", "learning.py", "synthetic_learning.py",
                                     "stability.py", "step_kl_sampling.py", "random_model.py",
                                     "exact_weights_profile.py", "kl_prediction.py", "snr_forms.py"])
 def test_help(script):
-    assert "usage" in run(script, "--help")
+    """Each script runs as a script (its imports resolve from its own folder)."""
+    done = subprocess.run([sys.executable, str(BENCHMARKS / script), "--help"], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and "usage" in done.stdout, done.stderr[-3000:]
 
 
 def synthetic_every_step_run(seed: int) -> dict:
@@ -1003,3 +1024,32 @@ def test_results_record_the_load_average_and_warn_above_the_cores(tmp_path, monk
     assert environment["load_average_end"] == 7.0 and "load_average_start" in environment
     assert "above the 2 cores" in environment["load_warning"] and "load_warning" in md_path.read_text()
     assert "warning: load average" in capsys.readouterr().err
+
+
+def test_each_run_is_a_process_of_its_own_forked_warm_and_a_failure_shows_its_output(tmp_path, monkeypatch):
+    """`run_in_subprocesses`: every run a new process (nothing a run leaves behind reaches the next), started with
+    torch, transformers and TRL already imported; results in the order of the specs; a failing run's error carries
+    what it printed."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import common
+
+    script = tmp_path / "tiny_benchmark.py"
+    script.write_text(
+        "import os, sys\n"
+        "LEFT_BEHIND = []\n"
+        "def run_child(spec):\n"
+        "    if spec.get('fail'):\n"
+        "        print('the reason it failed', flush=True)\n"
+        "        raise ValueError('failed on purpose')\n"
+        "    LEFT_BEHIND.append(spec['n'])\n"
+        "    return {'pid': os.getpid(), 'left_behind': list(LEFT_BEHIND), 'n': spec['n'],\n"
+        "            'warm': 'trl' in sys.modules, 'pair': (1, 2)}\n")
+    seen = []
+    results = common.run_in_subprocesses(str(script), [{"n": n} for n in range(3)], "tiny runs", jobs=2,
+                                         on_result=lambda spec, result: seen.append(spec["n"]))
+    assert [r["n"] for r in results] == [0, 1, 2] and sorted(seen) == [0, 1, 2]
+    assert len({r["pid"] for r in results} | {os.getpid()}) == 4
+    assert all(r["left_behind"] == [r["n"]] and r["warm"] for r in results)
+    assert results[0]["pair"] == [1, 2]  # what a run returns is what its JSON record says
+    with pytest.raises(RuntimeError, match="(?s)the reason it failed.*failed on purpose"):
+        common.run_in_subprocesses(str(script), [{"n": 0, "fail": True}], "a failing run")
