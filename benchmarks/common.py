@@ -143,7 +143,8 @@ def run_in_subprocesses(script: str, specs: list[dict], description: str, jobs: 
     later run fails). ``launcher``: the command that starts ``script --child <spec>`` instead (``torchrun``-like: only
     one process prints the RESULT line); its runs start cold."""
     import multiprocessing
-    from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor, as_completed
+    from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor, as_completed
+    from functools import partial
 
     from tqdm.auto import tqdm
 
@@ -154,27 +155,26 @@ def run_in_subprocesses(script: str, specs: list[dict], description: str, jobs: 
             raise RuntimeError(f"run {spec} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
         return json.loads(lines[-1][len("RESULT "):])
 
-    pool: Executor
     if launcher is None:
         context = multiprocessing.get_context("forkserver")
         context.set_forkserver_preload(WARM_MODULES)
         pool = ProcessPoolExecutor(max_workers=max(1, jobs), mp_context=context, max_tasks_per_child=1)
-        submit = lambda spec: pool.submit(run_warm_child, str(script), spec)  # noqa: E731
+        run = partial(run_warm_child, str(script))
     else:
-        pool = ThreadPoolExecutor(max_workers=max(1, jobs))
-        submit = lambda spec: pool.submit(launched, spec)  # noqa: E731
+        pool, run = ThreadPoolExecutor(max_workers=max(1, jobs)), launched
+    results = {}
     with pool:
-        futures = {submit(spec): spec for spec in specs}
+        futures = {pool.submit(run, spec): index for index, spec in enumerate(specs)}
         try:
             for future in tqdm(as_completed(futures), total=len(futures), desc=description, unit="run"):
-                # as the RESULT line would carry it: what a run records is what its JSON says
-                result = json.loads(json.dumps(future.result()))
+                # as a RESULT line carries it: what a run records is what its JSON says
+                results[futures[future]] = result = json.loads(json.dumps(future.result()))
                 if on_result is not None:
-                    on_result(futures[future], result)
+                    on_result(specs[futures[future]], result)
         except BaseException:
             pool.shutdown(wait=True, cancel_futures=True)
             raise
-    return [json.loads(json.dumps(future.result())) for future in futures]
+    return [results[index] for index in range(len(specs))]
 
 
 def run_warm_child(script: str, spec: dict) -> dict:
