@@ -194,6 +194,7 @@ def run_child(spec: dict) -> dict:
                                        max_new_tokens=spec["eval_max_new_tokens"], progress=False)
     result = {key: spec[key] for key in ("method", "seed", "learning_rate", "split", "problems", "overrides",
                                          "template") if key in spec}
+    result.update(spec.get("identity", {}))  # what tells the run apart from another of its method, rate and seed
     samples, accuracy, _ = grade(held_out, completions)
     # a few graded completions with every run, so that what the accuracy rewards can be read, not only its value
     result.update(accuracy=accuracy, seconds=time.perf_counter() - start, grader=GRADER_VERSION,
@@ -273,9 +274,13 @@ def requested_trust_region(spec: dict) -> tuple[float | None, int | None, str | 
 
 
 def current(path: Path, spec: dict) -> bool:
-    """A cached run of ``spec`` graded by the current grader and run with the trust region the spec asks for now (a
-    method named after the defaults changes when they do)."""
-    return graded_now(path) and recorded_trust_region(json.loads(path.read_text())) == requested_trust_region(spec)
+    """A cached run of ``spec`` graded by the current grader, run with the trust region the spec asks for now (a
+    method named after the defaults changes when they do) and recording the spec's ``identity`` (its steps, say)."""
+    if not graded_now(path):
+        return False
+    record = json.loads(path.read_text())
+    return (recorded_trust_region(record) == requested_trust_region(spec)
+            and all(record.get(key) == value for key, value in spec.get("identity", {}).items()))
 
 
 def run_all(specs: list[dict], folder: Path, description: str, jobs: int) -> list[dict]:

@@ -501,11 +501,10 @@ def test_set_reads_numbers_in_any_notation():
 
 
 def test_stability_summary_tests_a_default_against_grpo_seed_by_seed():
-    """Item 5 of issue 26 as numbers: the paired difference at GRPO's best rate, and the rates where a method
-    collapsed (final more than 0.1 below the untrained model) on a seed where GRPO did not; a collapse GRPO shares is
-    not listed."""
+    """The paired difference at GRPO's best rate, and the rates where a method collapsed (final more than 0.1 below
+    the untrained model) on a seed where GRPO did not; a collapse GRPO shares is not listed."""
     sys.path.insert(0, str(BENCHMARKS))
-    from stability import grid_summary
+    from stability_measures import grid_summary
 
     def cell(finals):
         return [{"seed": seed, "final": final, "auc": final, "initial": 0.3, "factor_min": 1.0, "factor_max": 1.0}
@@ -528,10 +527,10 @@ def test_stability_summary_tests_a_default_against_grpo_seed_by_seed():
 
 
 def test_stability_compares_the_trust_regions_forms_seed_by_seed_on_every_seed_both_ran():
-    """Issue 40's decision: target minus cap (and each minus GRPO) per rate, paired by seed, on all the seeds both
-    ran at that rate — more than the grid's at the rates with extra seeds, and only the shared ones."""
+    """Target minus cap (and each minus GRPO) per rate, paired by seed, on all the seeds both ran at that rate — more
+    than the grid's at the rates with extra seeds, and only the shared ones."""
     sys.path.insert(0, str(BENCHMARKS))
-    from stability import form_comparison
+    from stability_measures import form_comparison
 
     def cell(finals, first_seed=0):
         return [{"seed": first_seed + i, "final": final} for i, final in enumerate(finals)]
@@ -553,7 +552,7 @@ def test_stability_compares_the_trust_regions_forms_seed_by_seed_on_every_seed_b
 
 def test_stability_regret_difference_of_the_forms_is_paired_over_the_seeds_that_ran_every_rate():
     sys.path.insert(0, str(BENCHMARKS))
-    from stability import form_regret_differences
+    from stability_measures import form_regret_differences
 
     def cell(finals):
         return [{"seed": seed, "final": final} for seed, final in enumerate(finals)]
@@ -577,7 +576,7 @@ def test_stability_regret_difference_of_the_forms_is_paired_over_the_seeds_that_
 def test_stability_tables_never_mix_graders(tmp_path):
     """Runs graded by the current grader replace older ones in a table; older runs alone are shown, but marked."""
     sys.path.insert(0, str(BENCHMARKS))
-    from stability import cached_runs, grader_warning
+    from stability_summary import cached_runs, grader_warning
 
     def write(name, **fields):
         (tmp_path / f"test-{name}.json").write_text(json.dumps({"method": name, **fields}))
@@ -647,12 +646,67 @@ def test_a_cached_run_of_the_defaults_is_rerun_when_their_trust_region_changes(t
     assert not current(before_peak, {"overrides": {"lr_trust_region_mode": "target"}})
 
 
-def test_stability_snr_ablation_pairs_each_arm_with_the_defaults_without_the_factor_by_seed():
-    """Issue 56, item 4: each arm with the SNR factor minus the defaults without it at GRPO's best rate, on the seeds
-    both ran (another rate or an unpaired seed does not count), with the share of the arm's steps the factor moved;
-    the defaults at the top level, the other arms under ``variants``, the validation runs under ``validation``."""
+
+def test_a_cached_run_serves_only_a_spec_whose_identity_it_records(tmp_path):
+    """A stability run's record says its study, steps and config changes: a cached run of another study or step count
+    is run again, not reused; learning.py's own specs carry no identity and are served as before."""
     sys.path.insert(0, str(BENCHMARKS))
-    from stability import SNR_ABLATION_ARMS, SNR_ABLATION_WITHOUT, SNR_LONG, snr_ablation, snr_long_tag
+    from learning import current
+
+    from oblr_trl.rewards import GRADER_VERSION
+
+    identity = {"study": "grid", "steps": 40, "config_changes": {}}
+    path = tmp_path / "test-grpo-lr1e-05-seed0.json"
+    path.write_text(json.dumps({"method": "grpo", "overrides": None, "grader": GRADER_VERSION, **identity}))
+    spec = {"method": "grpo", "overrides": None, "identity": identity}
+    assert current(path, spec) and current(path, {"method": "grpo", "overrides": None})
+    assert not current(path, {**spec, "identity": {**identity, "steps": 60}})
+    assert not current(path, {**spec, "identity": {**identity, "study": "snr-long"}})
+    assert not current(path, {**spec, "identity": {**identity, "config_changes": {"per_device_train_batch_size": 16}}})
+
+
+def test_the_stability_registry_is_read_only_and_resolves_the_problem_sets_delta_by_an_explicit_marker():
+    """Methods, problem sets and studies are built once and cannot be changed afterwards; a trust-region method that
+    takes the problem set's δ says so with `Delta.OF_PROBLEM_SET` (not a number), which each problem set replaces
+    with its own δ; a method with a δ of its own keeps it."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import dataclasses
+
+    from stability_registry import (A_PLUS_B, A_PLUS_MINUS_B, PEAK_DELTA, PEAK_DELTA_METHOD, PROBLEM_SETS,
+                                    SMOLLM2_METHODS, STUDIES, SYNTHETIC_METHODS, Delta, by_name)
+
+    for registry in (SMOLLM2_METHODS, PROBLEM_SETS, STUDIES, SYNTHETIC_METHODS):
+        with pytest.raises(TypeError):
+            registry["new"] = None
+    cap = SMOLLM2_METHODS["oblrpo-trust-cap"]
+    with pytest.raises(TypeError):
+        cap.overrides["lr_trust_region_kl"] = 0.1
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        A_PLUS_B.best_rate = 1.0
+    assert cap.overrides["lr_trust_region_kl"] is Delta.OF_PROBLEM_SET
+    assert cap.config_overrides(A_PLUS_B)["lr_trust_region_kl"] == A_PLUS_B.trust_region_kl == 0.01
+    assert cap.config_overrides(A_PLUS_MINUS_B)["lr_trust_region_kl"] == A_PLUS_MINUS_B.trust_region_kl == 0.4
+    assert SMOLLM2_METHODS[PEAK_DELTA_METHOD].config_overrides(A_PLUS_MINUS_B)["lr_trust_region_kl"] == PEAK_DELTA
+    assert SMOLLM2_METHODS["grpo"].config_overrides(A_PLUS_B) is None
+    # every method a study or a grid names is registered; a transfer keeps its source's δ
+    for problems in PROBLEM_SETS.values():
+        assert set(problems.methods) <= set(SMOLLM2_METHODS)
+        if problems.transfer:
+            assert set(problems.transfer.methods) <= set(SMOLLM2_METHODS)
+            assert problems.transfer.task.trust_region_kl == problems.trust_region_kl
+    assert all(set(study.methods or ()) <= set(SMOLLM2_METHODS) for study in STUDIES.values())
+    with pytest.raises(ValueError, match="declared twice"):
+        by_name([cap, cap])
+
+
+def test_stability_snr_ablation_pairs_each_arm_with_the_defaults_without_the_factor_by_seed():
+    """Each arm with the SNR factor minus the defaults without it at GRPO's best rate, on the seeds both ran (another
+    rate or an unpaired seed does not count), with the share of the arm's steps the factor moved; the defaults at the
+    top level, the other arms under ``variants``, the validation runs under ``validation``; a longer study's arm pairs
+    with its own longer runs only."""
+    sys.path.insert(0, str(BENCHMARKS))
+    from stability_measures import snr_ablation
+    from stability_registry import SNR_ABLATION_ARMS, SNR_ABLATION_WITHOUT
 
     def run(method, seed, accuracy, factors, rate=1e-5):
         return {"method": method, "seed": seed, "learning_rate": rate, "accuracy": accuracy,
@@ -665,12 +719,13 @@ def test_stability_snr_ablation_pairs_each_arm_with_the_defaults_without_the_fac
             run(SNR_ABLATION_WITHOUT, 0, 0.7, [nan] * 4), run(SNR_ABLATION_WITHOUT, 1, 0.7, [nan] * 4),
             run(SNR_ABLATION_WITHOUT, 3, 0.9, [nan] * 4, rate=1e-4),
             run(SNR_ABLATION_ARMS[0], 1, 0.5, [0.5, 0.6, 0.98, 1.0])]
-    # the longer runs pair with the longer runs without the factor, never with the 4-step ones
-    longer = SNR_LONG["arms"][0] + snr_long_tag()
-    runs += [run(longer, 0, 0.95, [nan] + [1.5] * 5), run(longer, 1, 0.9, [1.0] * 6),
-             run(SNR_ABLATION_WITHOUT + snr_long_tag(), 1, 0.85, [nan] * 6)]
+    longer = [run(SNR_ABLATION_ARMS[1], 0, 0.95, [nan] + [1.5] * 5), run(SNR_ABLATION_ARMS[1], 1, 0.9, [1.0] * 6),
+              run(SNR_ABLATION_WITHOUT, 1, 0.85, [nan] * 6)]
     validation = [run("defaults", 10, 0.4, [1.0, 1.2]), run(SNR_ABLATION_WITHOUT, 10, 0.3, [nan, nan])]
-    ablation = snr_ablation(runs, validation, "defaults", 1e-5, resamples=200)
+    arms = [("defaults", "defaults", runs), (SNR_ABLATION_ARMS[0], SNR_ABLATION_ARMS[0], runs),
+            ("longer", SNR_ABLATION_ARMS[1], longer)]
+    ablation = snr_ablation(arms, SNR_ABLATION_WITHOUT, validation, ["defaults", SNR_ABLATION_WITHOUT], 1e-5,
+                            resamples=200, defaults="defaults")
     assert ablation["with"] == "defaults" and ablation["without"] == SNR_ABLATION_WITHOUT and ablation["rate"] == 1e-5
     assert ablation["seeds"] == [0, 1]
     assert ablation["difference_mean"] == pytest.approx(((0.8 - 0.7) + (0.6 - 0.7)) / 2)
@@ -680,91 +735,216 @@ def test_stability_snr_ablation_pairs_each_arm_with_the_defaults_without_the_fac
     variant = ablation["variants"][SNR_ABLATION_ARMS[0]]
     assert variant["seeds"] == [1] and variant["difference_mean"] == pytest.approx(-0.2)
     assert variant["acting_fraction"] == pytest.approx(3 / 4) and variant["steps"] == 4
-    paired_longer = ablation["variants"][longer]
-    assert paired_longer["without"] == SNR_ABLATION_WITHOUT + snr_long_tag() and paired_longer["seeds"] == [1]
+    paired_longer = ablation["variants"]["longer"]  # seed 0 has a 4-step partner only
+    assert paired_longer["with"] == SNR_ABLATION_ARMS[1] and paired_longer["seeds"] == [1]
     assert paired_longer["difference_mean"] == pytest.approx(0.05) and paired_longer["steps"] == 6
     assert paired_longer["acting_fraction"] == 0.0
     assert ablation["validation"]["defaults"] == {"final_by_seed": {10: 0.4}, "acting_fraction": 0.5}
     assert ablation["validation"][SNR_ABLATION_WITHOUT]["acting_fraction"] is None
-    assert snr_ablation(runs[:4], [], "defaults", 1e-5, resamples=20) == {}
+    at_another_rate = snr_ablation(arms[:1], SNR_ABLATION_WITHOUT, [], [], 1e-4, resamples=20, defaults="defaults")
+    assert at_another_rate["seeds"] == [3]
+    assert snr_ablation([("defaults", "defaults", runs[:4])], SNR_ABLATION_WITHOUT, [], [], 1e-5, resamples=20,
+                        defaults="defaults") == {}
 
 
-def test_stability_snr_long_runs_both_arms_longer_under_a_tag_the_grid_leaves_out(tmp_path, monkeypatch):
-    """`--part snr-long` runs the per-completion arm and its partner without the factor at GRPO's best rate for
-    `SNR_LONG["steps"]` steps on 10 paired test seeds, seed by seed, under method names the grid does not count."""
+def launched_specs(monkeypatch, argv: list[str]) -> dict:
+    """The specs `stability.main(argv)` hands `learning.run_all`, per folder, without running them."""
     sys.path.insert(0, str(BENCHMARKS))
     import learning
     import stability
 
-    launched = []
-    monkeypatch.setattr(learning, "run_all", lambda specs, folder, *_: launched.extend(specs))
-    monkeypatch.setattr(stability, "write_summary", lambda args: None)
-    assert stability.main(["--part", "snr-long", "--output_dir", str(tmp_path)]) == 0
-    initial, *specs = launched
-    tag = stability.snr_long_tag()
-    assert initial["method"] == "initial" and len(specs) == 2 * len(stability.SNR_LONG["seeds"]) >= 20
-    assert [s["method"] for s in specs[:2]] == [arm + tag for arm in stability.SNR_LONG["arms"]]
+    launched: dict = {}
+    monkeypatch.setattr(learning, "run_all", lambda specs, folder, *_: launched.setdefault(folder, specs))
+    monkeypatch.setattr(stability, "write_summary", lambda *_: None)
+    assert stability.main(argv) == 0
+    return launched
+
+
+def test_stability_snr_long_runs_both_arms_longer_in_a_study_of_their_own(tmp_path, monkeypatch):
+    """`--part snr-long` runs the per-completion arm and its partner without the factor at GRPO's best rate for
+    60 steps on 10 paired test seeds, seed by seed, under their own method names: each spec records the study and
+    its steps, and the records go to the study's folder, so that they never replace the grid's."""
+    sys.path.insert(0, str(BENCHMARKS))
+    from stability_registry import A_PLUS_B, SNR_LONG
+
+    launched = launched_specs(monkeypatch, ["--part", "snr-long", "--output_dir", str(tmp_path)])
+    assert list(launched) == [tmp_path / "runs" / "snr-long"]
+    specs = launched[tmp_path / "runs" / "snr-long"]  # the untrained model's evaluation is the grid's, in runs/
+    assert len(specs) == 2 * len(SNR_LONG.seeds) >= 20
+    assert [s["method"] for s in specs[:2]] == list(SNR_LONG.methods)
     assert [s["seed"] for s in specs[:4]] == [0, 0, 1, 1]  # seed-major: an interrupted run keeps whole pairs
-    assert {s["steps"] for s in specs} == {stability.SNR_LONG["steps"]} and stability.SNR_LONG["steps"] > 40
-    assert {s["learning_rate"] for s in specs} == {stability.A_PLUS_B["best_rate"]} and {s["split"] for s in specs} == {
-        "test"}
-    assert all(s["method"] not in stability.SMOLLM2_METHODS for s in specs)  # so smollm2_grid leaves them out
+    assert {s["steps"] for s in specs} == {60} and {s["learning_rate"] for s in specs} == {A_PLUS_B.best_rate}
+    assert all(s["identity"] == {"study": "snr-long", "steps": 60, "config_changes": {}} for s in specs)
+    assert {s["split"] for s in specs} == {"test"}
     assert specs[0]["overrides"]["snr_estimator"] == "per_sample" and specs[1]["overrides"]["use_snr_lr"] is False
+
+
+def test_stability_snr_batch_runs_the_shipped_factor_against_none_at_8_prompts_a_step(tmp_path, monkeypatch):
+    """`--part snr-batch`: the defaults as they ship and the defaults without the SNR factor (the only field that
+    differs) at 32 completions, 8 prompts, a step on a + b, at GRPO's best rate and TRL's 1e-6, 5 paired test seeds;
+    as many prompts a run as the 40-step grid's at least, and steps enough for the default calibration window to
+    resolve (it opens after 5 estimates and holds 20); its own results folder."""
+    sys.path.insert(0, str(BENCHMARKS))
+    from common import shipped
+    from stability import parse_args
+    from stability_registry import A_PLUS_B, GRID, SNR_ABLATION_WITHOUT, STUDIES
+
+    from oblr_trl.training.step_control import RateRuleTuning
+
+    assert parse_args(["--part", "snr-batch"]).output_dir == str(BENCHMARKS / "results" / "stability-snr-8prompts")
+    launched = launched_specs(monkeypatch, ["--part", "snr-batch", "--problems", "a±b", "--output_dir", str(tmp_path)])
+    initial, *specs = launched[tmp_path / "runs"]
+    assert initial["method"] == "initial" and "identity" not in initial
+    assert {s["problems"] for s in [initial, *specs]} == {A_PLUS_B.title}  # its own problems, not --problems'
+    assert len(specs) == 2 * 2 * 5 and [s["seed"] for s in specs[:4]] == [0, 0, 0, 0]
+    assert {(s["method"], s["learning_rate"], s["seed"]) for s in specs} == {
+        (m, rate, seed) for m in ("oblrpo", SNR_ABLATION_WITHOUT) for rate in (1e-5, 1e-6) for seed in range(5)}
+    config = specs[0]["config"]
+    completions = config["per_device_train_batch_size"] * config["gradient_accumulation_steps"]
+    assert completions == 32 and completions // config["num_generations"] == 8
+    steps = STUDIES["snr-batch"].steps
+    assert steps * 8 >= GRID.steps * 2 and steps > RateRuleTuning.snr_warmup_steps + 20
+    assert all(s["steps"] == steps and s["identity"]["study"] == "snr-batch" for s in specs)
+    assert specs[0]["identity"]["config_changes"] == {"per_device_train_batch_size": 32, "num_generations": 4,
+                                                      "gradient_accumulation_steps": 1}
+    with_factor, without = specs[0]["overrides"], specs[1]["overrides"]
+    assert with_factor == {} and without.pop("use_snr_lr") is False and shipped("use_snr_lr") is True
+    assert all(shipped(key) == value for key, value in without.items())
+
+
+def snr_record(method: str, seed: int, rate: float, accuracy: float, rewards: list[float], factors: list[float],
+               study: str, steps: int | None = None, **changes) -> dict:
+    """A run record as `learning.py --child` writes one, with the fields the stability summary reads."""
+    nan = float("nan")
+    steps = steps or len(rewards)
+    return {"method": method, "seed": seed, "learning_rate": rate, "split": "test", "problems": "a + b",
+            "study": study, "steps": steps, "config_changes": changes, "accuracy": accuracy, "grader": 2,
+            "reward": rewards, "traces": {"snr/lr_factor": factors, "oblr/trust_region_factor": [nan] * steps,
+                                          "oblr/step_kl": [nan] * steps, "grad_norm": [1.0] * steps,
+                                          "learning_rate": [rate] * steps}}
+
+
+def write_records(folder: Path, records: list[dict]) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    for r in records:
+        (folder / f"{r['split']}-{r['method']}-lr{r['learning_rate']:.3g}-seed{r['seed']}.json").write_text(
+            json.dumps(r))
+
+
+def test_the_compared_studys_summary_pairs_with_and_without_per_rate_in_accuracy_and_auc(tmp_path):
+    """A study that names a pair to compare (snr-batch) gets a section of its own: per rate, with − without paired
+    by seed in final accuracy and in AUC (mean training reward), with bootstrap intervals, and the share of the first
+    arm's steps whose SNR factor moved the rate; no grid section, since none of its runs is the grid's."""
+    sys.path.insert(0, str(BENCHMARKS))
+    from stability_registry import SNR_ABLATION_WITHOUT
+
+    nan = float("nan")
+    batch = {"per_device_train_batch_size": 32, "num_generations": 4, "gradient_accumulation_steps": 1}
+    records = [{"method": "initial", "seed": 0, "learning_rate": 0.0, "split": "test", "problems": "a + b",
+                "accuracy": 0.5, "grader": 2}]
+    for seed, (mine, theirs) in enumerate([(0.9, 0.8), (0.7, 0.7), (0.6, 0.8)]):
+        records += [snr_record("oblrpo", seed, 1e-5, mine, [0.5, 0.7], [1.0, 1.5 if seed == 0 else 1.0],
+                               "snr-batch", **batch),
+                    snr_record(SNR_ABLATION_WITHOUT, seed, 1e-5, theirs, [0.5, 0.5], [nan, nan], "snr-batch", **batch)]
+    records += [snr_record("oblrpo", 0, 1e-6, 0.6, [0.2, 0.4], [1.0, 1.0], "snr-batch", **batch),  # no partner
+                snr_record("oblrpo", 4, 1e-5, 0.1, [0.0, 0.0], [2.0, 2.0], "snr-long", **batch)]  # another study's
+    write_records(tmp_path / "runs", records)
+    out = run("stability.py", "--part", "summary", "--output_dir", str(tmp_path), "--bootstrap", "200")
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert "methods" not in summary and "snr_ablation" not in summary
+    compared = summary["compared"]["snr-batch"]
+    assert compared["with"] == "oblrpo" and compared["without"] == SNR_ABLATION_WITHOUT and compared["steps"] == 2
+    assert list(compared["by_rate"]) == ["1e-05"]
+    cell = compared["by_rate"]["1e-05"]
+    assert cell["seeds"] == [0, 1, 2] and cell["difference_mean"] == pytest.approx((0.1 + 0.0 - 0.2) / 3)
+    assert cell["difference_ci"][0] <= cell["difference_mean"] <= cell["difference_ci"][1]
+    assert cell["auc_difference_mean"] == pytest.approx(0.1)  # (0.5 + 0.7)/2 − 0.5 on every seed
+    assert cell["auc_difference_ci"] == pytest.approx([0.1, 0.1])
+    assert cell["acting_fraction"] == pytest.approx(1 / 6) and cell["with_final_mean"] == pytest.approx(2.2 / 3)
+    assert "32 completions, 8 prompts a step" in out and "| 1e-05 | 3 | 0.733 | 0.767 | -0.033" in out
+
+
+def test_runs_of_one_method_rate_and_seed_in_two_studies_are_told_apart_by_their_records(tmp_path):
+    """The grid counts its own study's runs only (not another study's in the same folder), and the SNR ablation pairs
+    the longer study's arm with the longer runs without the factor: the runs of `snr-long` (same methods, rate and
+    seeds, 3 steps, in their own folder) change no grid cell."""
+    sys.path.insert(0, str(BENCHMARKS))
+    from stability_registry import A_PLUS_B, PEAK_DELTA_METHOD, SNR_ABLATION_WITHOUT, SNR_LONG
+    from stability_summary import write_summary
+
+    nan = float("nan")
+    arm = SNR_LONG.methods[0]
+    initial = {"method": "initial", "seed": 0, "learning_rate": 0.0, "split": "test", "problems": "a + b",
+               "accuracy": 0.5, "grader": 2}
+    grid = [snr_record(m, seed, 1e-5, 0.8, [0.5, 0.5], [nan, nan], "grid")
+            for m in (PEAK_DELTA_METHOD, SNR_ABLATION_WITHOUT, arm) for seed in (0, 1)]
+    longer = [snr_record(m, seed, 1e-5, accuracy, [0.1] * 3, factors, "snr-long")
+              for seed in (0, 1) for m, accuracy, factors in ((arm, 0.9, [1.0, 1.5, 1.5]),
+                                                              (SNR_ABLATION_WITHOUT, 0.6, [nan] * 3))]
+    another = snr_record(PEAK_DELTA_METHOD, 2, 1e-5, 0.1, [0.0] * 2, [2.0] * 2, "snr-batch")  # beside the grid's
+    write_records(tmp_path / "runs", [initial, *grid, another])
+    write_records(tmp_path / "runs" / SNR_LONG.folder, longer)
+    write_summary(tmp_path, A_PLUS_B, resamples=50)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["smollm2"]["steps"] == 2 and summary["methods"][arm]["by_lr"]["1e-05"]["final_acc_mean"] == 0.8
+    assert summary["methods"][PEAK_DELTA_METHOD]["by_lr"]["1e-05"]["seeds"] == [0, 1]
+    ablation = summary["snr_ablation"]
+    assert ablation["difference_mean"] == 0.0 and ablation["steps"] == 2
+    longer_arm = ablation["variants"][f"snr-long: {arm}"]
+    assert longer_arm["steps"] == 3 and longer_arm["difference_mean"] == pytest.approx(0.3)
+    assert longer_arm["acting_fraction"] == pytest.approx(2 / 3) and ablation["variants"][arm]["steps"] == 2
 
 
 def test_the_grid_reports_the_defaults_from_the_trust_region_runs_that_are_them(tmp_path):
     """Where a method's δ, form, measuring cadence and curvature are OBLRPOConfig's defaults, `oblrpo` in the summary
     is that method's cells (marked as the same runs); where one differs, `oblrpo` is absent, not borrowed."""
     sys.path.insert(0, str(BENCHMARKS))
-    from stability import A_PLUS_B, PEAK_DELTA_METHOD, SMOLLM2_METHODS, defaults_twin, smollm2_grid
-
     from common import shipped
+    from stability_measures import defaults_twin, grid_methods, smollm2_grid
+    from stability_registry import A_PLUS_B, PEAK_DELTA_METHOD, SMOLLM2_METHODS
+    from stability_summary import synthetic_defaults_line
 
     twin = defaults_twin(A_PLUS_B)
-    overrides = SMOLLM2_METHODS[twin][0]
+    overrides = SMOLLM2_METHODS[twin].config_overrides(A_PLUS_B)
     for field in ("lr_trust_region_kl", "lr_trust_region_mode", "lr_trust_region_measure_steps",
                   "lr_trust_region_curvature"):
         assert overrides[field] == shipped(field), field
     assert twin == PEAK_DELTA_METHOD
 
-    def runs(problems, method):
-        made = [{"method": "initial", "accuracy": 0.5, "problems": problems["title"], "learning_rate": 0.0, "seed": 0}]
-        for name in ("grpo", method):
-            for rate in problems["grid"][:2]:
-                made.append({"method": name, "learning_rate": rate, "seed": 0, "accuracy": 0.6, "reward": [0.5] * 3,
-                             "problems": problems["title"], "traces": {"snr/lr_factor": [1.0] * 3}})
-        return made
+    def trained(method, rate, accuracy):
+        return {"method": method, "learning_rate": rate, "seed": 0, "accuracy": accuracy, "reward": [0.5] * 3,
+                "steps": 3, "traces": {"snr/lr_factor": [1.0] * 3}}
 
-    beside = {"method": twin, "learning_rate": 1e-3, "seed": 0, "accuracy": 0.3, "reward": [0.5] * 3,
-              "problems": A_PLUS_B["title"], "traces": {"snr/lr_factor": [1.0] * 3}}
-    summary, details = smollm2_grid([*runs(A_PLUS_B, twin), beside], resamples=20)
+    initial = {"method": "initial", "accuracy": 0.5, "learning_rate": 0.0, "seed": 0}
+
+    def grid(method, *beside):
+        runs = [trained(name, rate, 0.6) for name in ("grpo", method) for rate in A_PLUS_B.grid[:2]]
+        return smollm2_grid(initial, [*runs, *beside], 20, A_PLUS_B, A_PLUS_B.grid)
+
+    summary, details = grid(twin, trained(twin, 1e-3, 0.3))
     assert summary["methods"]["oblrpo"]["same_runs_as"] == twin
     assert summary["methods"]["oblrpo"]["by_lr"] == summary["methods"][twin]["by_lr"]
     # every configured rate the defaults ran at, the one beside the grid included, against the grid's best cell
     rates = details["defaults_range"]
-    assert list(rates) == [f"{r:g}" for r in A_PLUS_B["grid"][:2]] + ["0.001"]
+    assert list(rates) == [f"{r:g}" for r in A_PLUS_B.grid[:2]] + ["0.001"]
     assert rates["0.001"]["of_best_cell"] == pytest.approx(0.5) and rates["1e-06"]["of_best_cell"] == pytest.approx(1)
+    assert list(details["beyond_grid"]) == [f"{twin} @ 0.001"] and details["steps"] == 3
     # another δ, cadence, form or curvature: not the defaults (the a ± b grid's δ of 0.4 included)
     for other in ("oblrpo-trust-target-every16", "oblrpo-trust-peak-every16", "oblrpo-trust-peak-update-every16",
                   "oblrpo-trust-cap-every8"):
-        summary, _ = smollm2_grid(runs(A_PLUS_B, other), resamples=20)
-        assert "oblrpo" not in summary["methods"]
+        assert "oblrpo" not in grid(other)[0]["methods"]
     # and the grid does not run the defaults twice under two names
-    from stability import grid_methods
-
     assert grid_methods(["grpo", "oblrpo", twin], A_PLUS_B) == ["grpo", twin]
     assert grid_methods(["grpo", "oblrpo"], A_PLUS_B) == ["grpo", "oblrpo"]
     # the stability grid's testbed `oblrpo` predates the trust region, and the grid has no arm of the shipped rule: its
     # summary says that none of its methods is the defaults, and where they run
-    from stability import synthetic_defaults_line
-
     assert "are none of this grid's methods (the testbed's `defaults` arm" in synthetic_defaults_line()
 
 
 def test_each_problem_set_has_its_own_results_folder_and_a_plus_b_decides():
     """Without --output_dir a part writes to its problems' folder, so that a grid never mixes problem sets: a + b (the
     default, the grid issue 26 is decided on) in results/stability/, a ± b and the resolve runs (on a ± b) in
-    results/stability-a-pm-b/."""
+    results/stability-a-pm-b/; a study with a folder of its own there."""
     sys.path.insert(0, str(BENCHMARKS))
     from stability import parse_args
 
@@ -781,40 +961,52 @@ def test_each_problem_set_has_its_own_results_folder_and_a_plus_b_decides():
         parse_args(["--part", "transfer", "--problems", "a×b"])
 
 
-def test_the_long_completion_task_asks_for_reasoning_and_reports_how_long_the_answers_are(tmp_path):
+def test_the_long_completion_task_asks_for_reasoning_and_reports_how_long_the_answers_are(tmp_path, monkeypatch):
     """Issue 56, item 3: a + b's problems asked as the math recipes ask (reason step by step, box the answer) with room
     for long answers, in a folder of their own; the other problem sets keep the bare question and 16 tokens. The
     summary reports the untrained model's median length (sampled and greedy) and each cell's length at the end."""
     sys.path.insert(0, str(BENCHMARKS))
-    from learning import load_split, problem_splits, write_splits
-    from stability import (A_PLUS_B, A_PLUS_B_REASONED, LONG_COMPLETIONS, completion_length_lines, completion_lengths,
-                           defaults_twin, grid_methods, parse_args, rate_screen, smollm2_specs, validation_rates)
+    from dataclasses import replace
+    from types import MappingProxyType
 
-    args = parse_args(["--part", "validation", "--problems", "a+b-reasoned", "--eval_problems", "4",
-                       "--output_dir", str(tmp_path)])
+    import stability
+    from learning import load_split, problem_splits, write_splits
+    from stability import parse_args, plan, smollm2_specs
+    from stability_measures import completion_lengths, defaults_twin, grid_methods
+    from stability_registry import (A_PLUS_B, A_PLUS_B_REASONED, LONG_COMPLETIONS, PROBLEM_SETS, STUDIES,
+                                    validation_rates)
+    from stability_summary import Folder, completion_lengths_section, screen_lines
+
     assert parse_args(["--part", "smollm2", "--problems", "a+b-reasoned", "--rates", "1e-6"]).output_dir == str(
         BENCHMARKS / "results" / "stability-long")
-    if A_PLUS_B_REASONED["grid"] is None:  # before the screen chooses GRPO's best rate, a grid needs its rates given
+    unscreened = replace(A_PLUS_B_REASONED, best_rate=None, grid=None)
+    with monkeypatch.context() as patched:  # before the screen chooses GRPO's best rate, a grid needs its rates given
+        patched.setattr(stability, "PROBLEM_SETS", MappingProxyType({**PROBLEM_SETS, "a+b-reasoned": unscreened}))
         with pytest.raises(SystemExit):
             parse_args(["--part", "smollm2", "--problems", "a+b-reasoned"])
-        assert args.part == "validation" and A_PLUS_B_REASONED["best_rate"] is None
-    else:  # screened: TRL's 1e-6, GRPO's best rate among the screen's and 10× it, GRPO against the defaults
-        best = A_PLUS_B_REASONED["best_rate"]
-        assert best in A_PLUS_B_REASONED["rate_screen"]
-        assert A_PLUS_B_REASONED["grid"] == sorted({1e-6, best, float(f"{10 * best:g}")})
-        assert defaults_twin(A_PLUS_B_REASONED) in A_PLUS_B_REASONED["methods"]
-        assert grid_methods(A_PLUS_B_REASONED["methods"], A_PLUS_B_REASONED) == ["grpo", defaults_twin(A_PLUS_B)]
+        assert parse_args(["--part", "smollm2", "--problems", "a+b-reasoned", "--rates", "1e-6"]).rates == [1e-6]
+    # screened: TRL's 1e-6, GRPO's best rate among the screen's and 10× it, GRPO against the defaults
+    best = A_PLUS_B_REASONED.best_rate
+    assert best in A_PLUS_B_REASONED.rate_screen
+    assert A_PLUS_B_REASONED.grid == tuple(sorted({1e-6, best, float(f"{10 * best:g}")}))
+    assert defaults_twin(A_PLUS_B_REASONED) in A_PLUS_B_REASONED.methods
+    assert grid_methods(list(A_PLUS_B_REASONED.methods), A_PLUS_B_REASONED) == ["grpo", defaults_twin(A_PLUS_B)]
     # --part validation runs the screen's rates until a best rate is chosen, then that rate alone
-    assert validation_rates({**A_PLUS_B_REASONED, "best_rate": None}) == A_PLUS_B_REASONED["rate_screen"]
-    assert len(A_PLUS_B_REASONED["rate_screen"]) > 1 and validation_rates(A_PLUS_B) == [A_PLUS_B["best_rate"]]
-    specs, initial = smollm2_specs(args, ["grpo"], [1e-6], [10], 40, problems=A_PLUS_B_REASONED, split="validation")
-    spec = specs[0]
-    assert "step by step" in spec["template"] and "\\boxed{}" in spec["template"]
+    assert validation_rates(unscreened) == A_PLUS_B_REASONED.rate_screen
+    assert len(A_PLUS_B_REASONED.rate_screen) > 1 and validation_rates(A_PLUS_B) == (A_PLUS_B.best_rate,)
+
+    def specs(problems):
+        args = parse_args(["--part", "validation", "--problems", problems, "--methods", "grpo", "--rates", "1e-6",
+                           "--seeds", "10", "--eval_problems", "4", "--output_dir", str(tmp_path)])
+        return smollm2_specs(args, plan(STUDIES["validation"], args))
+
+    (spec,), initial = specs("a+b-reasoned")
+    assert "step by step" in spec["template"] and "\\boxed{}" in spec["template"] and spec["split"] == "validation"
     assert spec["config"]["max_completion_length"] == spec["eval_max_new_tokens"] == LONG_COMPLETIONS >= 64
     assert initial["sample_max_new_tokens"] == LONG_COMPLETIONS and initial["template"] == spec["template"]
-    plain, plain_initial = smollm2_specs(args, ["grpo"], [1e-6], [10], 40, problems=A_PLUS_B, split="validation")
-    assert "template" not in plain[0] and "sample_max_new_tokens" not in plain_initial
-    assert plain[0]["config"]["max_completion_length"] == plain[0]["eval_max_new_tokens"] == 16
+    (plain,), plain_initial = specs("a+b")
+    assert "template" not in plain and "sample_max_new_tokens" not in plain_initial
+    assert plain["config"]["max_completion_length"] == plain["eval_max_new_tokens"] == 16
     rows = write_splits(problem_splits(4, 4, operators="+"), tmp_path / "data")
     asked = load_split(rows["test"], spec["template"])[0]["prompt"][0]["content"]
     bare = load_split(rows["test"])[0]["prompt"][0]["content"]
@@ -825,16 +1017,19 @@ def test_the_long_completion_task_asks_for_reasoning_and_reports_how_long_the_an
                 "median_completion_tokens": greedy, "traces": {"completions/mean_length": [120.0, last_mean_length]}}
 
     runs = [{"method": "initial", "median_completion_tokens": 41, "median_sampled_completion_tokens": 126},
-            trained("grpo", 1e-6, 0, 100.0, 40), trained("grpo", 1e-6, 1, 60.0, 20), trained("oblrpo", 1e-5, 0, 30.0, 9)]
+            trained("grpo", 1e-6, 0, 100.0, 40), trained("grpo", 1e-6, 1, 60.0, 20),
+            trained("oblrpo", 1e-5, 0, 30.0, 9)]
     lengths = completion_lengths(runs)
     assert lengths["median_completion_tokens"] == 126 and lengths["median_completion_tokens_greedy"] == 41
     assert lengths["completion_tokens_at_end"]["grpo"]["1e-06"] == {"sampled_mean": 80.0, "greedy_median": 30.0,
                                                                      "runs": 2}
     assert lengths["completion_tokens_at_end"]["oblrpo"]["1e-05"]["runs"] == 1
-    assert "median 126 sampled" in "\n".join(completion_length_lines(lengths))
-    screen, lines = rate_screen([{"learning_rate": 1e-6, "seed": 11, "accuracy": 0.4},
-                                 {"learning_rate": 1e-6, "seed": 10, "accuracy": 0.2},
-                                 {"learning_rate": 3e-6, "seed": 10, "accuracy": 0.5}], A_PLUS_B_REASONED)
+    section = completion_lengths_section(Folder(tmp_path, A_PLUS_B_REASONED, 20, runs, []))
+    assert section.results == lengths and "median 126 sampled" in "\n".join(section.markdown)
+    assert completion_lengths_section(Folder(tmp_path, A_PLUS_B, 20, runs, [])) is None
+    screen, lines = screen_lines([{"learning_rate": 1e-6, "seed": 11, "accuracy": 0.4},
+                                  {"learning_rate": 1e-6, "seed": 10, "accuracy": 0.2},
+                                  {"learning_rate": 3e-6, "seed": 10, "accuracy": 0.5}], A_PLUS_B_REASONED)
     assert screen == {"1e-06": {10: 0.2, 11: 0.4}, "3e-06": {10: 0.5}}
     assert "validation seeds [10, 11]" in lines[0] and "| 1e-06 | 10: 0.200, 11: 0.400 | 0.3" in lines[1]
 
@@ -843,29 +1038,31 @@ def test_the_long_completion_task_reports_what_delta_its_steps_would_read_and_ch
     """The long task keeps a + b's δ (it tests whether that δ holds): its δ section reports the per-token and the
     per-completion KL of the steps and chooses nothing, where a + b's chooses its own."""
     sys.path.insert(0, str(BENCHMARKS))
-    from stability import A_PLUS_B, A_PLUS_B_REASONED, DELTA, PEAK_DELTA_METHOD, delta_units, main
+    from stability import main
+    from stability_measures import delta_units
+    from stability_registry import A_PLUS_B, A_PLUS_B_REASONED, DELTA_METHOD, PEAK_DELTA_METHOD
 
     for problems, folder in ((A_PLUS_B_REASONED, tmp_path / "long"), (A_PLUS_B, tmp_path / "sums")):
         (folder / "runs").mkdir(parents=True)
         for seed, kls in ((10, [1e-3, 2e-3, 4e-3]), (11, [3e-3, 5e-3, math.nan])):
             traces = {"oblr/step_kl": kls, "learning_rate": [1e-5, 2e-5, 3e-5], "grad_norm": [1.0, 1.0, 1.0],
                       "completions/mean_length": [100.0, 50.0, 10.0]}
-            (folder / "runs" / f"validation-{DELTA['method']}-lr3e-05-seed{seed}.json").write_text(json.dumps(
-                {"method": DELTA["method"], "seed": seed, "learning_rate": 3e-5, "problems": problems["title"],
+            (folder / "runs" / f"validation-{DELTA_METHOD}-lr3e-05-seed{seed}.json").write_text(json.dumps(
+                {"method": DELTA_METHOD, "seed": seed, "learning_rate": 3e-5, "problems": problems.title,
                  "traces": traces}))
         main(["--part", "summary", "--output_dir", str(folder), "--bootstrap", "50"])
     long = json.loads((tmp_path / "long" / "summary.json").read_text())["trust_region_delta"]
-    assert long["chosen"] is None and long["delta_of"] == A_PLUS_B["title"]
+    assert long["chosen"] is None and long["delta_of"] == A_PLUS_B.title
     # per completion: 0.1, 0.1, 0.04, 0.3, 0.25 (the NaN step dropped)
     assert long["step_kl_per_sequence_quartiles"][1] == pytest.approx(0.1)
     assert long["step_kl_quartiles"][1] == pytest.approx(3e-3)
     assert "δ is not chosen here" in (tmp_path / "long" / "summary.md").read_text()
     # where each unit of δ puts the rule's peak rate, against GRPO's best, on a + b (its committed runs) and here
     units = long["units"]
-    assert set(units) == {A_PLUS_B["title"], A_PLUS_B_REASONED["title"]}
-    sums_unit = units[A_PLUS_B["title"]]  # its δ runs predate the length trace: one length for every step
+    assert set(units) == {A_PLUS_B.title, A_PLUS_B_REASONED.title}
+    sums_unit = units[A_PLUS_B.title]  # its δ runs predate the length trace: one length for every step
     assert sums_unit["per_token"] == pytest.approx(sums_unit["per_completion"]) and sums_unit["best_rate"] == 1e-5
-    here = units[A_PLUS_B_REASONED["title"]]
+    here = units[A_PLUS_B_REASONED.title]
     # at the peak per token 9e-3, 4.5e-3, 4e-3 (seed 10), 2.7e-2, 1.125e-2 (seed 11): median 9e-3; × the lengths 100,
     # 50, 10 per completion 0.9, 0.225, 0.04, 2.7, 0.5625: median 0.5625
     assert here["step_kl_at_peak_median"] == pytest.approx(9e-3) and here["steps"] == 5
@@ -881,11 +1078,11 @@ def test_the_long_completion_task_reports_what_delta_its_steps_would_read_and_ch
                   "traces": {"oblr/trust_region_rate": peaks}}  # NaN: the steps between measurements
                  for seed, peaks in ((0, [math.nan, 1.5e-5, 3e-5, 6e-5]), (1, [math.nan, 6e-5, 9e-5, 9e-5]))]
     test_runs.append({**test_runs[0], "method": "grpo"})  # another method's runs do not count
-    measured = delta_units(A_PLUS_B_REASONED, delta_runs, test_runs)[0][A_PLUS_B_REASONED["title"]]
+    measured = delta_units([(A_PLUS_B_REASONED.title, delta_runs, test_runs)], length)[A_PLUS_B_REASONED.title]
     assert measured["defaults_measured_peak"] == {"median": pytest.approx(2.0),
                                                   "run_medians": pytest.approx([1.0, 3.0])}
     sums = json.loads((tmp_path / "sums" / "summary.json").read_text())["trust_region_delta"]
-    assert sums["chosen"] == A_PLUS_B["trust_region_kl"] and "delta_of" not in sums
+    assert sums["chosen"] == A_PLUS_B.trust_region_kl and "delta_of" not in sums
 
 
 def test_stability_long_completion_screen_smoke(saved_tiny_model, tmp_path):
@@ -915,7 +1112,8 @@ def test_stability_smoke(saved_tiny_model, tmp_path):
         methods = part["methods"]
         assert set(methods) >= {"grpo", "oblrpo"}
         cell = methods["oblrpo"]["by_lr"]["0.001" if part is results else "1"]
-        assert {"final_acc_mean", "final_acc_ci", "auc_mean", "collapse_fraction", "seeds", "factor_range"} <= set(cell)
+        assert {"final_acc_mean", "final_acc_ci", "auc_mean", "collapse_fraction", "seeds",
+                "factor_range"} <= set(cell)
         assert 0.0 <= cell["collapse_fraction"] <= 1.0 and len(cell["final_acc_ci"]) == 2
         assert {"regret_mean", "regret_ci", "regret_minus_grpo", "regret_minus_grpo_ci"} <= set(methods["oblrpo"])
         assert "regret_minus_grpo" not in methods["grpo"]
@@ -930,6 +1128,8 @@ def test_stability_smoke(saved_tiny_model, tmp_path):
     stale = tmp_path / "runs" / "test-grpo-lr0.001-seed0.json"
     record = json.loads(stale.read_text())
     assert record["grader"] == 2 and 1 <= len(record["samples"]) <= 8
+    assert {key: record[key] for key in ("study", "steps", "config_changes")} == {"study": "grid", "steps": 1,
+                                                                                  "config_changes": {}}
     assert {"question", "answer", "completions", "correct"} <= set(record["samples"][0])
     del record["grader"]
     stale.write_text(json.dumps(record))
@@ -937,13 +1137,20 @@ def test_stability_smoke(saved_tiny_model, tmp_path):
     assert json.loads(stale.read_text())["grader"] == 2 and "Graded by math-verify alone" not in out
     assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "runs").iterdir() if p != stale} == {
         name: mtime for name, mtime in runs_before.items() if name != stale.name}
+    grid = json.loads((tmp_path / "summary.json").read_text())["methods"]
+    # the grid's methods, rate and seed again in another study: told apart by their records, in a folder of their own
     out = run("stability.py", "--part", "resolve", "--model", str(saved_tiny_model), "--methods", "grpo", "oblrpo",
               "--rates", "1e-4", "--steps", "1", "--eval_problems", "4", "--bootstrap", "50",
               "--output_dir", str(tmp_path))
-    resolve = json.loads((tmp_path / "summary.json").read_text())["resolve"]
-    assert sorted(r["method"].split("@")[0] for r in resolve) == ["grpo", "oblrpo"]
-    assert all(len(r["lr_factor"]) == 1 for r in resolve) and "t: largest / last" in out
-    tiny = ["--problems", "a±b", "--model", str(saved_tiny_model), "--seeds", "10", "--rates", "1e-4", "--steps", "2", "--eval_problems", "4",
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert sorted(r["method"] for r in summary["resolve"]) == ["grpo", "oblrpo"] and summary["methods"] == grid
+    assert all(len(r["lr_factor"]) == 1 for r in summary["resolve"]) and "t: largest / last" in out
+    resolved = json.loads((tmp_path / "runs" / "resolve" / "test-grpo-lr0.0001-seed0.json").read_text())
+    assert resolved["study"] == "resolve" and resolved["config_changes"] == {"per_device_train_batch_size": 16,
+                                                                             "num_generations": 4}
+    assert json.loads((tmp_path / "runs" / "test-grpo-lr0.0001-seed0.json").read_text())["study"] == "grid"
+    tiny = ["--problems", "a±b", "--model", str(saved_tiny_model), "--seeds", "10", "--rates", "1e-4", "--steps", "2",
+            "--eval_problems", "4",
             "--bootstrap", "50", "--output_dir", str(tmp_path)]
     run("stability.py", "--part", "delta", *tiny)  # δ of the trust region from validation runs
     out = run("stability.py", "--part", "smollm2", "--methods", "oblrpo-trust-cap", "grpo-trust-target", *tiny,
@@ -955,6 +1162,7 @@ def test_stability_smoke(saved_tiny_model, tmp_path):
     assert (tmp_path / "rates_used.png").exists()
     trust_run = json.loads((tmp_path / "runs" / "test-oblrpo-trust-cap-lr0.0001-seed1.json").read_text())
     assert trust_run["traces"]["learning_rate"] == [1e-4, 1e-4]  # --set reached the config: TRL's linear would decay
+    assert trust_run["config_changes"] == {"lr_scheduler_type": "constant"} and trust_run["steps"] == 2
     grid_before = json.loads((tmp_path / "summary.json").read_text())["methods"]
     out = run("stability.py", "--part", "transfer", "--methods", "grpo", "oblrpo-trust-cap", *tiny, "--seeds", "0")
     summary = json.loads((tmp_path / "summary.json").read_text())

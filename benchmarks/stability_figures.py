@@ -1,0 +1,146 @@
+"""The stability summary's figures: ``summary.png``, a row of two panels per section that draws one, and the traces
+of one collapsing seed (``collapse_seed.png``, ``rates_used.png``)."""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import learning  # noqa: E402
+from common import new_figure, save_figure  # noqa: E402
+from oblr_trl.estimators.snr import CALIBRATION_MIN_T  # noqa: E402
+from stability_measures import COLLAPSE_MARGIN  # noqa: E402
+from stability_registry import RATE_FOLLOWERS, REFERENCE, ProblemSet  # noqa: E402
+
+Row = Callable[..., None]  # draws one row of ``summary.png`` on its (left, right) axes
+COLLAPSE_SEED = 1  # the seed on which GRPO collapsed at each problem set's `collapse_rate`
+
+
+def grid_and_legend(*axes) -> None:
+    for axis in axes:
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=6)
+
+
+def plot_summary(rows: list[Row], output_dir: Path) -> Path:
+    figure, axes = new_figure(2, (13, 4.6 * len(rows)), rows=len(rows))
+    axes = list(axes.flat)
+    for index, draw in enumerate(rows):
+        draw(axes[2 * index], axes[2 * index + 1])
+    return save_figure(figure, output_dir, "summary")
+
+
+def cells_row(title: str, summary: dict, rates: list[float]) -> Row:
+    """Final accuracy (95 % CI) and the collapsed fraction per configured rate, a line per method."""
+    def draw(final_axis, collapse_axis) -> None:
+        for method, entry in summary["methods"].items():
+            present = [r for r in rates if f"{r:.3g}" in entry["by_lr"]]
+            if not present:
+                continue
+            cells = [entry["by_lr"][f"{r:.3g}"] for r in present]
+            style = "--" if method.endswith("-constant") else "-"
+            final_axis.errorbar(present, [c["final_acc_mean"] for c in cells], linestyle=style, marker="o", capsize=3,
+                                yerr=[[max(0.0, c["final_acc_mean"] - c["final_acc_ci"][0]) for c in cells],
+                                      [max(0.0, c["final_acc_ci"][1] - c["final_acc_mean"]) for c in cells]],
+                                label=method)
+            collapse_axis.plot(present, [c["collapse_fraction"] for c in cells], linestyle=style, marker="o",
+                               label=method)
+        final_axis.set(xscale="log", xlabel="configured learning rate", ylabel="final held-out accuracy (95 % CI)",
+                       title=title)
+        collapse_axis.set(xscale="log", xlabel="configured learning rate", ylabel="collapsed fraction of seeds",
+                          title=f"{title}: collapse (final < untrained − {COLLAPSE_MARGIN:g})")
+        grid_and_legend(final_axis, collapse_axis)
+    return draw
+
+
+def resolve_row(runs: list[dict], completions: int) -> Row:
+    """The rate each step used, and the calibration window's t-statistic, a line per run."""
+    def draw(rate_axis, t_axis) -> None:
+        for index, r in enumerate(runs):
+            traces, label = r["traces"], f"{r['method']} lr {r['learning_rate']:g} (final acc {r['accuracy']:.2f})"
+            steps = range(1, len(traces["learning_rate"]) + 1)
+            measured = "snr/calibration_t" in traces and any(math.isfinite(v) for v in traces["snr/calibration_t"])
+            rate_axis.plot(steps, learning.used_rates(traces), label=label,
+                           color=f"C{index}")  # one colour per run in both panels
+            if measured:
+                t_axis.plot(steps, traces["snr/calibration_t"], label=label, color=f"C{index}")
+        t_axis.axhline(CALIBRATION_MIN_T, color="black", linestyle=":",
+                       label=f"resolves at t ≥ {CALIBRATION_MIN_T:g}")
+        rate_axis.set(xlabel="optimizer step", ylabel="learning rate used", yscale="log",
+                      title=f"SmolLM2, {completions} completions a step: rate used")
+        t_axis.set(xlabel="optimizer step", ylabel="t-statistic of the window's mean ‖μ‖²",
+                   title="calibration window: does the signal resolve?")
+        grid_and_legend(rate_axis, t_axis)
+    return draw
+
+
+def screen_row(runs: list[dict]) -> Row:
+    """GRPO's final validation accuracy per screened rate, and each run's mean sampled length per step."""
+    def draw(accuracy_axis, length_axis) -> None:
+        rates = sorted({r["learning_rate"] for r in runs})
+        for index, seed in enumerate(sorted({r["seed"] for r in runs})):
+            mine = sorted((r for r in runs if r["seed"] == seed), key=lambda r: r["learning_rate"])
+            style = ["-", "--", ":", "-."][index % 4]  # one per seed in both panels, a colour per rate on the right
+            accuracy_axis.plot([r["learning_rate"] for r in mine], [r["accuracy"] for r in mine], marker="o",
+                               color="black", linestyle=style, label=f"seed {seed}")
+            for r in mine:  # each run's mean sampled length per step: do the answers shorten as it learns?
+                lengths = r["traces"]["completions/mean_length"]
+                length_axis.plot(range(1, len(lengths) + 1), lengths, color=f"C{rates.index(r['learning_rate'])}",
+                                 linestyle=style, label=f"seed {seed}, lr {r['learning_rate']:g}")
+        accuracy_axis.set(xscale="log", xlabel="configured learning rate", ylabel="final validation accuracy",
+                          title=f"{REFERENCE}'s rate screen (validation seeds and split)")
+        length_axis.set(xlabel="optimizer step", ylabel="mean sampled completion length (tokens)",
+                        title="how long the answers are while training")
+        grid_and_legend(accuracy_axis, length_axis)
+    return draw
+
+
+def plot_collapse(runs: list[dict], problems: ProblemSet, output_dir: Path) -> Path | None:
+    """Reward, rate used and step KL per step of every method among the grid's ``runs`` on `COLLAPSE_SEED` at the
+    problem set's ``collapse_rate``; None where no trust-region method of `RATE_FOLLOWERS` ran there."""
+    if problems.collapse_rate is None:
+        return None
+    rate = problems.collapse_rate
+    chosen = sorted((r for r in runs if r["seed"] == COLLAPSE_SEED and math.isclose(r["learning_rate"], rate)),
+                    key=lambda r: r["method"])
+    if not any(r["method"] in RATE_FOLLOWERS for r in chosen):
+        return None
+    figure, axes = new_figure(3, (16, 4.4))
+    for index, r in enumerate(chosen):
+        traces, steps = r["traces"], range(1, len(r["reward"]) + 1)
+        label = f"{r['method']} (final acc {r['accuracy']:.2f})"
+        axes[0].plot(steps, r["reward"], label=label, color=f"C{index}")
+        axes[1].plot(steps, learning.used_rates(traces), label=label, color=f"C{index}")
+        if any(math.isfinite(v) for v in traces.get("oblr/step_kl", [])):
+            axes[2].plot(steps, traces["oblr/step_kl"], label=label, color=f"C{index}")
+    axes[2].axhline(problems.trust_region_kl, color="black", linestyle=":", label=f"δ = {problems.trust_region_kl:g}")
+    for axis, (ylabel, scale) in zip(axes, [("training reward", "linear"), ("learning rate used", "log"),
+                                            ("KL(π_t ‖ π_t+1) per token", "log")], strict=True):
+        axis.set(xlabel="optimizer step", ylabel=ylabel, yscale=scale,
+                 title=f"SmolLM2 ({problems.title}) seed {COLLAPSE_SEED}, configured rate {rate:g}")
+    grid_and_legend(*axes)
+    return save_figure(figure, output_dir, "collapse_seed")
+
+
+def plot_rates_used(runs: list[dict], output_dir: Path) -> Path | None:
+    """Per trust-region method, the rate each step used on `COLLAPSE_SEED`, one line per configured rate: if the
+    configured rate stopped mattering, the lines meet after the first steps."""
+    methods = [m for m in RATE_FOLLOWERS if any(r["method"] == m and r["seed"] == COLLAPSE_SEED for r in runs)]
+    if not methods:
+        return None
+    figure, axes = new_figure(len(methods), (5.2 * len(methods), 4.4))
+    for axis, method in zip([axes] if len(methods) == 1 else axes, methods, strict=True):
+        chosen = sorted((r for r in runs if r["method"] == method and r["seed"] == COLLAPSE_SEED),
+                        key=lambda r: r["learning_rate"])
+        for index, r in enumerate(chosen):
+            used = learning.used_rates(r["traces"])
+            axis.plot(range(1, len(used) + 1), used, color=f"C{index}",
+                      label=f"configured {r['learning_rate']:g} (final acc {r['accuracy']:.2f})")
+            axis.axhline(r["learning_rate"], color=f"C{index}", linestyle=":", linewidth=0.8)
+        axis.set(xlabel="optimizer step", ylabel="learning rate used (dotted: configured)", yscale="log",
+                 title=f"{method}, seed {COLLAPSE_SEED}")
+        grid_and_legend(axis)
+    return save_figure(figure, output_dir, "rates_used")

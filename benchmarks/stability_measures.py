@@ -1,0 +1,429 @@
+"""The stability summary's numbers, as pure functions of run records (`stability_summary.py` lays them out).
+
+A run record is the JSON `learning.py --child` writes: ``method``, ``seed``, ``learning_rate``, ``accuracy``,
+``reward`` (per step), ``traces`` (per step) and the study's ``study``, ``steps`` and ``config_changes``. A cell run
+(``cells[method][rate]``) is ``{"seed", "final", "auc", "initial", "factor_min", "factor_max"}``.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import learning  # noqa: E402
+from common import bootstrap_ci, shipped  # noqa: E402
+from stability_registry import (  # noqa: E402
+    FORM_PAIRS, PEAK_DELTA, PEAK_DELTA_METHOD, REFERENCE, SMOLLM2_METHODS, TRL_SCHEDULE, ProblemSet,
+)
+
+Cells = dict[str, dict[float, list[dict]]]
+
+# how far below the untrained model a run must end to count as collapsed: on 60 test problems one run's accuracy has a
+# binomial standard error of about 0.065, and a run that did not move can end 0.01 below it; collapses end near 0
+COLLAPSE_MARGIN = 0.1
+
+
+def collapsed(run: dict) -> bool:
+    """The run ended more than `COLLAPSE_MARGIN` below the untrained model."""
+    return run["final"] < run["initial"] - COLLAPSE_MARGIN
+
+
+def paired_difference(mine: dict[int, float], theirs: dict[int, float], resamples: int) -> dict | None:
+    """``mine`` minus ``theirs`` on the seeds both have, in seed order: mean, bootstrap 95 % interval over seeds and
+    the seeds; None where they share none."""
+    seeds = sorted(set(mine) & set(theirs))
+    if not seeds:
+        return None
+    differences = [mine[s] - theirs[s] for s in seeds]
+    return {"mean": statistics.fmean(differences), "ci": bootstrap_ci(differences, resamples), "seeds": seeds}
+
+
+# --- the grid --------------------------------------------------------------------------------------------------------
+def grid_summary(cells: Cells, resamples: int) -> dict:
+    """Per method: ``by_lr`` cells and the regret over the grid, paired with `grpo`.
+
+    Regret of a seed = mean over rates of (best cell mean final of any method − this seed's final); only seeds run at
+    every rate of the grid count (and, for the paired difference, also at every rate of `grpo`).
+    """
+    best = max(statistics.fmean(r["final"] for r in runs)
+               for rates in cells.values() for runs in rates.values() if runs)
+
+    grid = {rate for rates in cells.values() for rate, runs in rates.items() if runs}
+
+    def regrets(method: str) -> dict[int, float]:
+        """Per seed, over every rate of the grid (a seed not yet run at some rate has no regret yet)."""
+        by_seed: dict[int, list[float]] = {}
+        for runs in cells[method].values():
+            for r in runs:
+                by_seed.setdefault(r["seed"], []).append(best - r["final"])
+        return {seed: statistics.fmean(v) for seed, v in by_seed.items() if len(v) == len(grid)}
+
+    reference = regrets(REFERENCE) if REFERENCE in cells else {}
+    if REFERENCE in cells:  # on the seeds GRPO ran at every rate: a cell must not win or lose by extra seeds
+        grpo_best_rate = max(cells[REFERENCE], key=lambda rate: statistics.fmean(
+            r["final"] for r in cells[REFERENCE][rate] if r["seed"] in reference or not reference))
+    summary = {}
+    for method, rates in cells.items():
+        entry = {"by_lr": {}}
+        for rate, runs in rates.items():
+            if not runs:
+                continue
+            finals, aucs = [r["final"] for r in runs], [r["auc"] for r in runs]
+            entry["by_lr"][f"{rate:.3g}"] = {
+                "final_acc_mean": statistics.fmean(finals), "final_acc_ci": bootstrap_ci(finals, resamples),
+                "auc_mean": statistics.fmean(aucs), "auc_ci": bootstrap_ci(aucs, resamples),
+                "collapse_fraction": statistics.fmean(collapsed(r) for r in runs),
+                "seeds": [r["seed"] for r in runs],
+                "factor_range": [min(r["factor_min"] for r in runs), max(r["factor_max"] for r in runs)],
+            }
+        own = regrets(method)
+        if own:
+            entry.update(regret_mean=statistics.fmean(own.values()),
+                         regret_ci=bootstrap_ci(list(own.values()), resamples), regret_seeds=sorted(own))
+        if method != REFERENCE and (vs := paired_difference(own, reference, resamples)):
+            entry.update(regret_minus_grpo=vs["mean"], regret_minus_grpo_ci=vs["ci"])
+        if method != REFERENCE and REFERENCE in cells:
+            entry.update(against_grpo(rates, cells[REFERENCE], grpo_best_rate, resamples))
+        summary[method] = entry
+    return {"best_cell_final": best, "methods": summary}
+
+
+def against_grpo(own: dict[float, list[dict]], reference: dict[float, list[dict]], best_rate: float,
+                 resamples: int) -> dict:
+    """The other two tests of a default, paired by seed with `grpo`: the final accuracy at GRPO's best rate minus
+    GRPO's there (``at_grpo_best_minus_grpo`` and its interval), and the rates at which this method collapsed on a
+    seed where GRPO did not (``collapses_where_grpo_does_not``)."""
+    def paired(rate: float) -> list[tuple[dict, dict]]:
+        theirs = {r["seed"]: r for r in reference.get(rate, [])}
+        return [(r, theirs[r["seed"]]) for r in own.get(rate, []) if r["seed"] in theirs]
+
+    at_best = [mine["final"] - grpo["final"] for mine, grpo in paired(best_rate)]
+    collapses = [rate for rate in sorted(own)
+                 if any(collapsed(mine) and not collapsed(grpo) for mine, grpo in paired(rate))]
+    entry: dict = {"grpo_best_rate": best_rate, "collapses_where_grpo_does_not": collapses}
+    if at_best:
+        entry.update(at_grpo_best_minus_grpo=statistics.fmean(at_best),
+                     at_grpo_best_minus_grpo_ci=bootstrap_ci(at_best, resamples), at_grpo_best_seeds=len(at_best))
+    return entry
+
+
+def smollm2_cells(runs: list[dict], initial_accuracy: float) -> Cells:
+    """The runs as cells, each run's realised SNR factor range (1 where it logged none)."""
+    cells: Cells = {}
+    for r in sorted(runs, key=lambda r: (r["method"], r["learning_rate"], r["seed"])):
+        factors = [f for f in r["traces"]["snr/lr_factor"] if not math.isnan(f)] or [1.0]
+        cells.setdefault(r["method"], {}).setdefault(r["learning_rate"], []).append(
+            {"seed": r["seed"], "final": r["accuracy"], "auc": learning.auc(r), "initial": initial_accuracy,
+             "factor_min": min(factors), "factor_max": max(factors)})
+    return cells
+
+
+def smollm2_grid(initial: dict, trained: list[dict], resamples: int, problems: ProblemSet,
+                 rates: tuple[float, ...] | None) -> tuple[dict, dict] | None:
+    """The grid's summary (`grid_summary`, the forms' comparisons, the rate rule's traces) and what it was measured
+    on, from the untrained model's run and a grid's runs on ``problems``; runs at a rate outside ``rates`` (None: no
+    rate is) are reported beside the grid. None before a grid run is there."""
+    grid = [r for r in trained if rates is None or r["learning_rate"] in rates]
+    beyond = [r for r in trained if rates is not None and r["learning_rate"] not in rates]
+    if not grid:
+        return None
+    details = {"initial_accuracy": initial["accuracy"], "rates": sorted({r["learning_rate"] for r in grid}),
+               "beyond_grid": {f"{m} @ {rate:g}": {r["seed"]: r["accuracy"] for r in beyond
+                                                    if (r["method"], r["learning_rate"]) == (m, rate)}
+                               for m, rate in sorted({(r["method"], r["learning_rate"]) for r in beyond})},
+               "steps": grid[0]["steps"], "schedule": dict(TRL_SCHEDULE), "problems": problems.title}
+    cells = smollm2_cells(grid, initial["accuracy"])
+    summary = grid_summary(cells, resamples)
+    summary["forms"] = form_comparison(cells, resamples)
+    summary["form_regrets"] = form_regret_differences(cells, details["rates"], resamples)
+    summary["rate_rule"] = rate_rule_traces(grid + beyond)
+    twin = defaults_twin(problems)
+    if "oblrpo" not in summary["methods"] and twin in summary["methods"]:  # the defaults' runs, under their own name
+        summary["methods"]["oblrpo"] = {**summary["methods"][twin], "same_runs_as": twin}
+        details["defaults_range"] = rate_range(grid + beyond, twin, summary["best_cell_final"])
+    return summary, details
+
+
+def rate_rule_traces(runs: list[dict]) -> dict:
+    """What the trust region did, per method, from its runs' traces:
+
+    * ``moving_fraction``: of the steps with a gradient whose trust-region factor sits strictly inside its bounds and
+      whose previous step had a gradient and was not measured (so the curvature did not change between them), the
+      share whose rate used differs by more than 1 % from the previous step's — the schedule and the SNR factor acting
+      on the step;
+    * ``aim_ratio_*``: the measured ÷ aimed KL (`oblr/step_kl` ÷ `oblr/step_kl_target`) over the measured steps after
+      each run's first, pooled (median, quartiles) and each run's median (runs that log the aimed KL only)."""
+    by_method: dict[str, dict] = {}
+    for r in runs:
+        traces = r.get("traces", {})
+        factors = traces.get("oblr/trust_region_factor")
+        if not factors or r.get("lr_trust_region_kl") is None:
+            continue
+        low, high = 0.01, (1.0 if r.get("lr_trust_region_mode") == "cap" else 10.0)  # the benchmark's bounds
+        used = learning.used_rates(traces)
+        measured = [isinstance(v, float) and math.isfinite(v) for v in traces["oblr/step_kl"]]
+        entry = by_method.setdefault(r["method"], {"pairs": 0, "moving": 0, "ratios": [], "run_medians": []})
+        gradient = [g != 0 for g in traces["grad_norm"]]
+        for t in range(1, len(used)):
+            inside = low * 1.0001 < factors[t] < high * 0.9999
+            if measured[t - 1] or not (gradient[t] and gradient[t - 1] and inside):
+                continue  # a zero-gradient step runs at the scheduled rate by rule: not the rule's rate moving
+            entry["pairs"] += 1
+            entry["moving"] += abs(used[t] / used[t - 1] - 1.0) > 0.01
+        aimed = traces.get("oblr/step_kl_target")
+        if aimed:
+            first = measured.index(True) if any(measured) else len(measured)
+            ratios = [traces["oblr/step_kl"][t] / aimed[t] for t in range(first + 1, len(measured))
+                      if measured[t] and isinstance(aimed[t], float) and aimed[t] > 0]
+            entry["ratios"] += ratios
+            if ratios:
+                entry["run_medians"].append(statistics.median(ratios))
+    summary = {}
+    for method, entry in sorted(by_method.items()):
+        summary[method] = {"inside_bounds_pairs": entry["pairs"],
+                           "moving_fraction": entry["moving"] / entry["pairs"] if entry["pairs"] else None,
+                           "runs": sum(r["method"] == method for r in runs)}
+        if entry["ratios"]:
+            ratios = entry["ratios"]
+            summary[method].update(aim_ratio_median=statistics.median(ratios),
+                                   aim_ratio_quartiles=(statistics.quantiles(ratios, n=4) if len(ratios) > 1
+                                                        else ratios * 3),
+                                   aim_ratio_run_medians=entry["run_medians"], aim_ratio_steps=len(ratios))
+    return summary
+
+
+def rate_range(runs: list[dict], method: str, best_cell: float) -> dict:
+    """Every configured rate ``method`` ran at, in the grid and beside it: its mean final test accuracy and that ÷ the
+    grid's best cell (how wide a range of configured rates the defaults turn into good runs; None where no cell
+    learned anything)."""
+    finals: dict[float, list[float]] = {}
+    for r in runs:
+        if r["method"] == method:
+            finals.setdefault(r["learning_rate"], []).append(r["accuracy"])
+    return {f"{rate:g}": {"final_mean": statistics.fmean(values), "seeds": len(values),
+                          "of_best_cell": statistics.fmean(values) / best_cell if best_cell > 0 else None}
+            for rate, values in sorted(finals.items())}
+
+
+def form_comparison(cells: Cells, resamples: int) -> dict:
+    """Per pair of `FORM_PAIRS` and per rate both ran: the final accuracy of the first minus the second, paired by
+    seed (mean, bootstrap interval, seeds), so that a cell with more seeds than the grid is compared on all of
+    them."""
+    comparison = {}
+    for first, second in FORM_PAIRS:
+        if first not in cells or second not in cells:
+            continue
+        by_rate = {}
+        for rate in sorted(set(cells[first]) & set(cells[second])):
+            finals = [{r["seed"]: r["final"] for r in cells[method][rate]} for method in (first, second)]
+            if difference := paired_difference(*finals, resamples):
+                by_rate[f"{rate:.3g}"] = difference
+        comparison[f"{first} - {second}"] = by_rate
+    return comparison
+
+
+def form_regret_differences(cells: Cells, rates: list[float], resamples: int) -> dict:
+    """Per pair of `FORM_PAIRS`: the first's regret minus the second's, paired by seed over the seeds both ran at every
+    rate of the grid (the target's regret below the cap's decided between them). The best cell cancels from a paired
+    difference of regrets, so it is minus the mean over the rates of (first's final − second's final)."""
+    differences = {}
+    for first, second in FORM_PAIRS:
+        if not all(m in cells and all(rate in cells[m] for rate in rates) for m in (first, second)):
+            continue
+        finals = {m: {rate: {r["seed"]: r["final"] for r in cells[m][rate]} for rate in rates}
+                  for m in (first, second)}
+        seeds = sorted(set.intersection(*(set(finals[m][rate]) for m in (first, second) for rate in rates)))
+        if seeds:
+            values = [-statistics.fmean(finals[first][rate][seed] - finals[second][rate][seed] for rate in rates)
+                      for seed in seeds]
+            differences[f"{first} - {second}"] = {"mean": statistics.fmean(values),
+                                                  "ci": bootstrap_ci(values, resamples), "seeds": seeds}
+    return differences
+
+
+def grid_methods(methods: list[str], problems: ProblemSet) -> list[str]:
+    """``methods`` without `oblrpo` where its twin (`defaults_twin`) is among them: the same configuration is run once
+    and reported under both names."""
+    return [m for m in methods if m != "oblrpo"] if defaults_twin(problems) in methods else methods
+
+
+def defaults_twin(problems: ProblemSet) -> str | None:
+    """The trust-region method that runs OBLRPOConfig's defaults on ``problems`` (every field it sets, its δ the
+    problem set's where it takes that, is the default), so that the grid reports `oblrpo` without running the same
+    configuration twice; None where no method does."""
+    return next((method.name for method in SMOLLM2_METHODS.values()
+                 if method.overrides and method.overrides.get("lr_trust_region_kl") is not None
+                 and method.schedule == TRL_SCHEDULE
+                 and all(shipped(key) == value for key, value in method.config_overrides(problems).items())),
+                None)
+
+
+# --- the SNR factor on and off ---------------------------------------------------------------------------------------
+def snr_factor_acting_fraction(runs: list[dict]) -> float | None:
+    """Of the runs' steps that logged an SNR factor, the share whose factor moved the rate by more than 1 %."""
+    factors = [f for r in runs for f in r["traces"]["snr/lr_factor"] if isinstance(f, float) and math.isfinite(f)]
+    return sum(abs(f - 1.0) > 0.01 for f in factors) / len(factors) if factors else None
+
+
+def runs_by_seed(runs: list[dict], method: str, rate: float) -> dict[int, dict]:
+    return {r["seed"]: r for r in runs if r["method"] == method and r["learning_rate"] == rate}
+
+
+def with_and_without(mine: dict[int, dict], without: dict[int, dict], resamples: int) -> dict | None:
+    """A method with the SNR factor against one without, paired by seed: the difference of final accuracy (mean,
+    interval, seeds), both arms' mean final, the arm's steps and the share of them its factor moved; None where the
+    two share no seed."""
+    difference = paired_difference({s: r["accuracy"] for s, r in mine.items()},
+                                   {s: r["accuracy"] for s, r in without.items()}, resamples)
+    if difference is None:
+        return None
+    seeds = difference["seeds"]
+    return {"steps": len(mine[seeds[0]]["traces"]["snr/lr_factor"]), "difference_mean": difference["mean"],
+            "difference_ci": difference["ci"], "seeds": seeds,
+            "with_final_mean": statistics.fmean(mine[s]["accuracy"] for s in seeds),
+            "without_final_mean": statistics.fmean(without[s]["accuracy"] for s in seeds),
+            "acting_fraction": snr_factor_acting_fraction([mine[s] for s in seeds])}
+
+
+def snr_ablation(arms: list[tuple[str, str, list[dict]]], without: str, validation: list[dict], screened: list[str],
+                 rate: float, resamples: int, defaults: str | None) -> dict:
+    """Each arm ``(label, method, runs)`` with the SNR factor minus ``without`` among the same runs (so a longer study
+    pairs with its own longer runs): final test accuracy at ``rate``, paired by seed, with the share of the arm's
+    steps the factor acted on (`with_and_without`). The arm labelled ``defaults`` is the top level, the others are
+    under ``variants`` by label; the validation runs of ``screened`` (which chose among the arms) under
+    ``validation``. Empty before a pair has run."""
+    compared = {}
+    for label, method, runs in arms:
+        entry = with_and_without(runs_by_seed(runs, method, rate), runs_by_seed(runs, without, rate), resamples)
+        if entry is not None:
+            compared[label] = {"with": method, "without": without, "rate": rate, **entry}
+    screen = {}
+    for method in screened:
+        chosen_on = runs_by_seed(validation, method, rate)
+        if chosen_on:
+            screen[method] = {"final_by_seed": {seed: r["accuracy"] for seed, r in sorted(chosen_on.items())},
+                              "acting_fraction": snr_factor_acting_fraction(list(chosen_on.values()))}
+    if not compared and not screen:
+        return {}
+    return {"rate": rate, **compared.pop(defaults, {}), "variants": compared, "validation": screen}
+
+
+def paired_by_rate(runs: list[dict], mine: str, theirs: str, resamples: int) -> dict:
+    """Per rate both methods ran: ``mine`` minus ``theirs``, paired by seed, in final accuracy (`with_and_without`) and
+    in AUC (the mean training reward: ``auc_difference_mean``, ``auc_difference_ci``)."""
+    by_rate = {}
+    for rate in sorted({r["learning_rate"] for r in runs}):
+        arm, without = runs_by_seed(runs, mine, rate), runs_by_seed(runs, theirs, rate)
+        entry = with_and_without(arm, without, resamples)
+        if entry is None:
+            continue
+        auc = paired_difference({s: learning.auc(r) for s, r in arm.items()},
+                                {s: learning.auc(r) for s, r in without.items()}, resamples)
+        by_rate[f"{rate:g}"] = {**entry, "auc_difference_mean": auc["mean"], "auc_difference_ci": auc["ci"]}
+    return by_rate
+
+
+# --- δ ---------------------------------------------------------------------------------------------------------------
+def steps_at_peak(delta_runs: list[dict]) -> list[tuple[float, float]]:
+    """Each gradient step of runs without a trust region: its KL per token scaled to the schedule's peak,
+    KL·(η_peak/η)², and the step's mean completion length (NaN where the run did not log it). The peak form aims δ
+    at the peak and (per update) lands there, so the first is what a δ for it reads off the runs."""
+    steps = []
+    for r in delta_runs:
+        traces = r["traces"]
+        lengths = traces.get("completions/mean_length") or [math.nan] * len(traces["oblr/step_kl"])
+        steps += [(kl * (r["learning_rate"] / lr) ** 2, length)
+                  for kl, lr, grad, length in zip(traces["oblr/step_kl"], traces["learning_rate"], traces["grad_norm"],
+                                                  lengths, strict=True)
+                  if math.isfinite(kl) and lr > 0 and grad != 0]
+    return steps
+
+
+def median_completion_length(runs: list[dict]) -> float:
+    """The median over the runs' steps of the step's mean completion length (runs that log it)."""
+    return statistics.median(length for r in runs for length in r["traces"].get("completions/mean_length", []))
+
+
+def measured_peak_multiple(runs: list[dict], rate: float) -> dict | None:
+    """Where the defaults (`PEAK_DELTA_METHOD`, δ per token) put the peak rate in their own test runs at ``rate``
+    (GRPO's best): each run's median `oblr/trust_region_rate` ÷ ``rate`` over the steps that have an estimate (every
+    step after the first measurement: the estimate is held between measurements), and the median of those. None
+    before such a run has finished."""
+    multiples = [statistics.median(v for v in r["traces"]["oblr/trust_region_rate"] if math.isfinite(v)) / rate
+                 for r in runs if r["method"] == PEAK_DELTA_METHOD and r["learning_rate"] == rate]
+    return {"median": statistics.median(multiples), "run_medians": multiples} if multiples else None
+
+
+def delta_units(tasks: list[tuple[str, list[dict], list[dict]]], source_length: float) -> dict:
+    """Where each unit of δ puts the peak form's rate on each task ``(title, δ runs, test runs)``, as a multiple of
+    GRPO's best rate there, from the task's runs without a trust region at that rate: per token, η̂/η_best = √(δ / m)
+    with m the median KL per token at the peak (`steps_at_peak`); per completion, δ·L_src for the source's median
+    answer length ``source_length``, against the median of KL·L (L: the step's mean length, the source's where a run
+    did not log it). The unit whose multiple stays put across tasks keeps its meaning; δ is the defaults' peak δ.
+    Beside them, where the defaults' per-token δ put the peak in the task's test runs at that rate
+    (`measured_peak_multiple`)."""
+    units = {}
+    for title, delta_runs, test_runs in tasks:
+        steps = steps_at_peak(delta_runs)
+        lengths = [length if math.isfinite(length) else source_length for _, length in steps]
+        token_median = statistics.median(kl for kl, _ in steps)
+        sequence_median = statistics.median(kl * length for (kl, _), length in zip(steps, lengths, strict=True))
+        best_rate = delta_runs[0]["learning_rate"]
+        units[title] = {
+            "best_rate": best_rate, "median_completion_length": statistics.median(lengths),
+            "step_kl_at_peak_median": token_median, "per_token": math.sqrt(PEAK_DELTA / token_median),
+            "per_completion": math.sqrt(PEAK_DELTA * source_length / sequence_median), "steps": len(steps),
+            "defaults_measured_peak": measured_peak_multiple(test_runs, best_rate)}
+    return units
+
+
+def step_kl_spread(delta_runs: list[dict]) -> dict:
+    """The per-step KL per token of the runs δ is read off: quartiles and 90th percentile over the steps that measured
+    one; scaled to the schedule's peak (`steps_at_peak`), quartiles over the steps with a gradient; and, where the
+    runs logged their completions' length, the quartiles of the KL of a whole completion (per token × the step's mean
+    length)."""
+    kls = [kl for r in delta_runs for kl in r["traces"]["oblr/step_kl"] if math.isfinite(kl)]
+    at_peak = [kl for kl, _ in steps_at_peak(delta_runs)]
+    per_sequence = [kl * length for r in delta_runs
+                    for kl, length in zip(r["traces"]["oblr/step_kl"], r["traces"].get("completions/mean_length", []),
+                                          strict=False)
+                    if math.isfinite(kl)]
+    spread = {"steps": len(kls), "step_kl_quartiles": statistics.quantiles(kls, n=4),
+              "step_kl_90th_percentile": statistics.quantiles(kls, n=10)[-1], "steps_at_peak": len(at_peak),
+              "step_kl_at_peak_quartiles": ((statistics.quantiles(at_peak, n=4) if len(at_peak) > 1 else at_peak * 3)
+                                            or [math.nan] * 3)}
+    if len(per_sequence) > 1:
+        spread["step_kl_per_sequence_quartiles"] = statistics.quantiles(per_sequence, n=4)
+    return spread
+
+
+# --- screens and lengths ---------------------------------------------------------------------------------------------
+def screen_by_rate(screen: list[dict]) -> dict[float, list[dict]]:
+    """A rate screen's runs per rate, rates and then seeds in order."""
+    by_rate: dict[float, list[dict]] = {}
+    for r in sorted(screen, key=lambda r: (r["learning_rate"], r["seed"])):
+        by_rate.setdefault(r["learning_rate"], []).append(r)
+    return by_rate
+
+
+def completion_lengths(runs: list[dict]) -> dict:
+    """How long the answers of a long-completion task are, in tokens: the untrained model's (sampled as training
+    samples them, the answers a step's KL averages over, and greedy, as evaluated), and per method and rate the mean
+    over runs of the last step's mean sampled length and of the trained model's greedy median."""
+    initial = next(r for r in runs if r["method"] == "initial")
+    trained = [r for r in runs if r["method"] != "initial" and "median_completion_tokens" in r]
+    end: dict[str, dict[str, dict]] = {}
+    for r in trained:
+        cell = end.setdefault(r["method"], {}).setdefault(f"{r['learning_rate']:g}", {"sampled": [], "greedy": []})
+        cell["sampled"].append(r["traces"]["completions/mean_length"][-1])
+        cell["greedy"].append(r["median_completion_tokens"])
+    return {"median_completion_tokens": initial.get("median_sampled_completion_tokens"),
+            "median_completion_tokens_greedy": initial.get("median_completion_tokens"),
+            "completion_tokens_at_end": {method: {rate: {"sampled_mean": statistics.fmean(c["sampled"]),
+                                                         "greedy_median": statistics.fmean(c["greedy"]),
+                                                         "runs": len(c["sampled"])}
+                                                  for rate, c in by_rate.items()}
+                                         for method, by_rate in end.items()}}

@@ -1,0 +1,383 @@
+"""The stability benchmark's records, each declared once and read-only: the methods it runs (on SmolLM2 and on the
+synthetic testbed), the problem sets it runs them on, and the studies (`stability.py --part …`) that choose a problem
+set's methods, rates, seeds, steps and config. `stability.py` runs them, `stability_summary.py` reports them.
+
+A new task is one `ProblemSet` in `PROBLEM_SETS` (its own results folder, its grid, its δ); a new set of runs one
+`Study` in `STUDIES` (its part, seeds, steps and config changes, recorded on every run it makes); with ``compare``
+set, the summary reports the pair's paired difference per rate without code of its own.
+"""
+
+from __future__ import annotations
+
+import enum
+import sys
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Literal
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import learning  # noqa: E402
+import synthetic_learning as synthetic  # noqa: E402
+from oblr_trl.tasks import BOXED_INSTRUCTION  # noqa: E402
+
+REFERENCE = "grpo"
+NOTHING: Mapping[str, Any] = MappingProxyType({})
+TRL_SCHEDULE: Mapping[str, Any] = MappingProxyType({"lr_scheduler_type": "linear", "warmup_steps": 0})  # GRPOConfig's
+CPU = learning.PRESETS["cpu"]
+
+
+def frozen(mapping: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
+    return None if mapping is None else MappingProxyType(dict(mapping))
+
+
+def by_name(records: Iterable, name: Callable[[Any], str] = lambda record: record.name) -> Mapping[str, Any]:
+    """``records`` keyed by name, in their order, read-only; a name given twice is an error."""
+    keyed = {}
+    for record in records:
+        if name(record) in keyed:
+            raise ValueError(f"{name(record)!r} is declared twice")
+        keyed[name(record)] = record
+    return MappingProxyType(keyed)
+
+
+# --- SmolLM2 methods -------------------------------------------------------------------------------------------------
+class Delta(enum.Enum):
+    """The δ of a trust-region method that has no number of its own."""
+
+    OF_PROBLEM_SET = "the problem set's δ"  # chosen per problem set on validation seeds (`--part delta`)
+
+
+@dataclass(frozen=True)
+class Method:
+    """A SmolLM2 method: OBLRPOConfig fields over the defaults (None: TRL's GRPOTrainer) and TRL schedule fields."""
+
+    name: str
+    overrides: Mapping[str, Any] | None
+    description: str
+    schedule: Mapping[str, Any] = field(default_factory=lambda: TRL_SCHEDULE)
+
+    def __post_init__(self):
+        object.__setattr__(self, "overrides", frozen(self.overrides))
+        object.__setattr__(self, "schedule", frozen(self.schedule))
+
+    def config_overrides(self, problems: ProblemSet) -> dict | None:
+        """The fields a run on ``problems`` sets: `Delta.OF_PROBLEM_SET` is the problem set's δ."""
+        if self.overrides is None:
+            return None
+        return {key: problems.trust_region_kl if value is Delta.OF_PROBLEM_SET else value
+                for key, value in self.overrides.items()}
+
+
+def trust_region(form: str, every: int, curvature: str = "per_rate", delta: float | Delta = Delta.OF_PROBLEM_SET,
+                 **others: Any) -> dict:
+    """The trust region of the step in ``form``, measuring every ``every``-th step's KL, reading the curvature as
+    ``curvature`` says. Per unit rate unless told: the methods named before the curvature could be read per unit of
+    Adam's update read it so, and their names keep meaning what their runs ran."""
+    return {**others, "lr_trust_region_kl": delta, "lr_trust_region_mode": form,
+            "lr_trust_region_measure_steps": every, "lr_trust_region_curvature": curvature}
+
+
+NO_TRUST_REGION = {"lr_trust_region_kl": None}
+# GRPO's advantage from OBLR-PO's pieces: the whole-group mean with std scaling, no SNR factor
+GRPO_AS_OBLRPO = {"baseline_weights": "uniform", "baseline_estimator": "weighted", "leave_one_out": False,
+                  "use_snr_lr": False}
+# the peak form per update at the median of the validation runs' per-step KL scaled to the schedule's peak (a + b),
+# rather than the cap's 90th percentile: what ships
+PEAK_DELTA = 0.005
+PEAK_DELTA_METHOD = "oblrpo-trust-peak-update-every16-kl0.005"
+DEFAULTS_TRUST_REGION = trust_region("peak", 16, "per_update", PEAK_DELTA)
+# the SNR factor calibrated to act on more of a 40-step run: the default 20-step window rarely resolves with 2 prompts
+# a step, and its ratio floor of 1 ignores the SNR falling through training
+SNR_CALIBRATED = {**DEFAULTS_TRUST_REGION, "snr_lr_min_ratio": 0.5, "snr_calibration_steps": 5}
+SNR_ABLATION_WITHOUT = "oblrpo-defaults-no-snr"
+
+SMOLLM2_METHODS: Mapping[str, Method] = by_name((
+    Method(REFERENCE, None, "TRL's GRPOTrainer"),
+    Method("oblrpo", {}, "OBLRPOConfig's defaults as they ship when the run is made"),
+    Method("oblrpo-no-trust", NO_TRUST_REGION, "the defaults without the trust region"),
+    Method("oblrpo-unscaled", {**NO_TRUST_REGION, "scale_rewards": "none"},
+           "the defaults without the trust region and without the group's std scaling"),
+    Method("oblrpo-two-sided", {**NO_TRUST_REGION, "snr_lr_min_ratio": 0.5},
+           "the defaults without the trust region, the SNR factor's ratio in [0.5, 2]"),
+    Method("grpo-constant", None, "TRL's GRPOTrainer at a constant rate",
+           schedule={"lr_scheduler_type": "constant", "warmup_steps": 0}),
+    Method("oblrpo-paper", {**NO_TRUST_REGION, "snr_lr_reference": "absolute", "snr_estimator": "per_sample",
+                            "snr_warmup_steps": 0},
+           "the paper-literal factor (the configured rate is η_max), reacting from the first step"),
+    Method("oblrpo-kl", {**NO_TRUST_REGION, "log_step_kl": True},
+           "the defaults without the trust region, measuring every step's KL: the runs δ is read off"),
+    Method("oblrpo-trust-cap", trust_region("cap", 1), "the cap on OBLR-PO's advantages, every step measured"),
+    Method("grpo-trust-cap", trust_region("cap", 1, **GRPO_AS_OBLRPO), "the cap on GRPO's advantages"),
+    Method("oblrpo-trust-target", trust_region("target", 1), "the target form, every step measured"),
+    Method("grpo-trust-target", trust_region("target", 1, **GRPO_AS_OBLRPO), "the target form on GRPO's advantages"),
+    Method("oblrpo-trust-cap-every4", trust_region("cap", 4), "the cap measuring every 4th step"),
+    Method("oblrpo-trust-cap-every8", trust_region("cap", 8), "the cap measuring every 8th step"),
+    Method("oblrpo-trust-target-every8", trust_region("target", 8), "the target form measuring every 8th step"),
+    Method("grpo-trust-cap-every8", trust_region("cap", 8, **GRPO_AS_OBLRPO),
+           "the cap on GRPO's advantages, every 8th step: what OBLR-PO adds on top of the trust region"),
+    Method("grpo-trust-target-every8", trust_region("target", 8, **GRPO_AS_OBLRPO),
+           "the target form on GRPO's advantages, every 8th step"),
+    Method("oblrpo-trust-target-every16", trust_region("target", 16),
+           "the target form measuring every 16th step: half the measuring forwards of every 8th"),
+    Method("oblrpo-trust-peak-every16", trust_region("peak", 16),
+           "the peak form (η̂_max measured, the schedule and the SNR factor shaping every step), every 16th step"),
+    Method("oblrpo-trust-peak-every1", trust_region("peak", 1),
+           "the peak form measuring every step: each step's KL beside its aim, to replay predictors on"),
+    Method(PEAK_DELTA_METHOD, DEFAULTS_TRUST_REGION,
+           f"the peak form per unit of Adam's update at δ = {PEAK_DELTA:g}: the shipped defaults"),
+    Method(SNR_ABLATION_WITHOUT, {**DEFAULTS_TRUST_REGION, "use_snr_lr": False},
+           "the defaults without the SNR factor"),
+    Method("oblrpo-defaults-snr-two-sided-cal5", SNR_CALIBRATED,
+           "the defaults with the SNR factor calibrated over 5 steps, its ratio in [0.5, 2]"),
+    Method("oblrpo-defaults-snr-two-sided-cal5-per-sample", {**SNR_CALIBRATED, "snr_estimator": "per_sample"},
+           "as the 5-step calibration, a step's completions the estimate's samples (its prompts are too few)"),
+    Method("oblrpo-defaults-snr-two-sided-cal2", {**SNR_CALIBRATED, "snr_calibration_steps": 2},
+           "as the 5-step calibration, over the shortest window"),
+    Method("oblrpo-trust-peak-update-every16", trust_region("peak", 16, "per_update"),
+           "the peak form per unit of Adam's update at the problem set's δ (the cap's)"),
+    Method("oblrpo-trust-target-update-every16", trust_region("target", 16, "per_update"),
+           "the target form per unit of Adam's update"),
+))
+# the trust region's forms side by side in the summary, paired by seed (first minus second): the target against the
+# cap at the same cadence, each against GRPO, the same trust region on GRPO's advantages, the cheaper cadences against
+# the ones they replace, the peak forms, and the defaults against the previous ones and GRPO
+FORM_PAIRS = (("oblrpo-trust-target-every8", "oblrpo-trust-cap-every8"), ("oblrpo-trust-target-every8", REFERENCE),
+              ("oblrpo-trust-cap-every8", REFERENCE), ("oblrpo-trust-target-every8", "grpo-trust-target-every8"),
+              ("grpo-trust-target-every8", REFERENCE),
+              ("oblrpo-trust-target-every16", "oblrpo-trust-target-every8"),
+              ("oblrpo-trust-target-every16", REFERENCE), ("oblrpo-trust-target-every16", "oblrpo-trust-cap-every8"),
+              ("oblrpo-trust-peak-every16", "oblrpo-trust-target-every16"),
+              ("oblrpo-trust-peak-update-every16", "oblrpo-trust-target-every16"),
+              ("oblrpo-trust-peak-update-every16", "oblrpo-trust-peak-every16"),
+              (PEAK_DELTA_METHOD, "oblrpo-trust-target-every16"), (PEAK_DELTA_METHOD, REFERENCE))
+# the trust-region methods whose rate each step used is drawn per configured rate (`plot_rates_used`)
+RATE_FOLLOWERS = ("oblrpo-trust-cap", "oblrpo-trust-target", "grpo-trust-cap", "grpo-trust-target")
+# the SNR factor on and off at GRPO's best rate, the rest of the defaults unchanged: the defaults' twin first, then
+# these arms, each against `SNR_ABLATION_WITHOUT`
+SNR_ABLATION_ARMS = ("oblrpo-defaults-snr-two-sided-cal5", "oblrpo-defaults-snr-two-sided-cal5-per-sample",
+                     "oblrpo-defaults-snr-two-sided-cal2")
+# a grid's methods unless its problem set names its own
+GRID_METHODS = (REFERENCE, "oblrpo", "oblrpo-no-trust", "oblrpo-paper", "grpo-trust-cap", "grpo-trust-target",
+                "oblrpo-trust-cap", "oblrpo-trust-cap-every4", "oblrpo-trust-cap-every8", "oblrpo-trust-target",
+                "oblrpo-trust-target-every8", "grpo-trust-cap-every8", "grpo-trust-target-every8",
+                "oblrpo-trust-target-every16", "oblrpo-trust-peak-every16", "oblrpo-trust-peak-update-every16",
+                PEAK_DELTA_METHOD)
+
+
+# --- problem sets ----------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Transfer:
+    """A problem set's δ carried, unchanged, to a second task, at GRPO's best rate there and 10× it."""
+
+    task: ProblemSet
+    methods: tuple[str, ...]
+    runs: str  # its runs' folder under the source problem set's runs/
+    rate_screen: tuple[float, ...] = ()  # GRPO's best rate on the task screened over these (none: the source's)
+
+
+@dataclass(frozen=True)
+class ProblemSet:
+    """The problems a grid trains and tests on, and what is chosen for them on validation seeds."""
+
+    title: str  # what each run records as its ``problems``
+    operators: str
+    max_operand: int
+    data: str  # the folder its splits are written to
+    eval_problems: int  # test problems, and as many validation problems
+    best_rate: float | None  # GRPO's best rate (None until screened)
+    trust_region_kl: float  # δ of the methods that take the problem set's (`Delta.OF_PROBLEM_SET`)
+    folder: str | None = None  # its results folder under benchmarks/results (None: only a transfer's task)
+    grid: tuple[float, ...] | None = None  # the grid's configured rates (None: every rate run)
+    methods: tuple[str, ...] = GRID_METHODS  # the grid's
+    template: str | None = None  # how its questions are asked (None: the answer alone)
+    config: Mapping[str, Any] = field(default_factory=lambda: NOTHING)  # config fields beyond the CPU preset's
+    eval_max_new_tokens: int = CPU["eval_max_new_tokens"]
+    rate_screen: tuple[float, ...] = ()  # GRPO's best rate screened over these on validation seeds
+    delta_of: ProblemSet | None = None  # the problem set whose δ it keeps, choosing none of its own
+    transfer: Transfer | None = None
+    collapse_rate: float | None = None  # a configured rate at which GRPO collapsed on seed 1 (`plot_collapse`)
+
+    def __post_init__(self):
+        object.__setattr__(self, "config", frozen(self.config))
+
+    def task_record(self) -> dict:
+        """The fields a summary records of a transfer's task."""
+        return {"operators": self.operators, "max_operand": self.max_operand, "data": self.data, "title": self.title,
+                "eval_problems": self.eval_problems, "best_rate": self.best_rate,
+                "trust_region_kl": self.trust_region_kl}
+
+
+# products of a + b's operands, cut as its problems are; GRPO's best rate screened on validation seeds (a + b's best
+# ÷3, ×1, ×3, and ÷10 once the best was the screen's lowest rate); a + b's δ, unchanged. Also a grid of its own, the
+# second task on which the trust region's form was chosen
+A_TIMES_B = ProblemSet(title="a × b (0…14)", operators="*", max_operand=14, data="data-products", eval_problems=60,
+                       best_rate=3e-6, trust_region_kl=0.01, folder="stability-products",
+                       grid=(3e-7, 1e-6, 3e-6, 1e-5, 3e-5))
+# sums of operands 0…14, which SmolLM2 learns within the budget under the strict grader (a ± b it barely does), so
+# that its grid decides; 225 problems cut into 60 test, 60 validation, 105 training. The grid is symmetric around
+# GRPO's best rate (÷10 … ×10), so that a rule which only shrinks the rate loses at the low end what it saves at the
+# high end; δ the 90th percentile of the validation runs' per-step KL, rounded (the cap and target forms')
+A_PLUS_B = ProblemSet(title="a + b", operators="+", max_operand=14, data="data-sums", eval_problems=60, best_rate=1e-5,
+                      trust_region_kl=0.01, folder="stability", grid=(1e-6, 3e-6, 1e-5, 3e-5, 1e-4),
+                      transfer=Transfer(A_TIMES_B, (REFERENCE, "oblrpo-trust-cap", "oblrpo-trust-target"),
+                                        "transfer-products", rate_screen=(1e-6, 3e-6, 1e-5, 3e-5)),
+                      collapse_rate=3e-4)
+# the learning benchmark's problems; GRPO's best rate is that benchmark's, and its δ, chosen as a + b's, spans the
+# per-step KL of runs that barely learn. Its transfer is the `arithmetic` task's products of operands up to 24, GRPO's
+# best rate and δ a ± b's (not screened)
+A_PLUS_MINUS_B = ProblemSet(
+    title="a ± b", operators="+-", max_operand=CPU["max_operand"], data="data", eval_problems=200, best_rate=1e-4,
+    trust_region_kl=0.4, folder="stability-a-pm-b", grid=(1e-5, 3e-5, 1e-4, 3e-4, 1e-3),
+    transfer=Transfer(ProblemSet(title="a × b", operators="*", max_operand=24, data="data-multiplication",
+                                 eval_problems=200, best_rate=1e-4, trust_region_kl=0.4),
+                      (REFERENCE, "oblrpo-trust-cap", "oblrpo-no-trust"), "transfer-multiplication"),
+    collapse_rate=3e-4)
+# does δ, a per-token KL chosen on answers of 7–16 tokens, keep its meaning on long ones? a + b's problems (the same
+# splits) asked as the math recipes ask them, the reward the graded answer with no term for length; a + b's δ kept.
+# Its grid: TRL's default rate, GRPO's best rate (screened on validation seeds) and 10× it, GRPO against the defaults
+LONG_COMPLETIONS = 128
+A_PLUS_B_REASONED = replace(
+    A_PLUS_B, title="a + b, reasoned step by step", folder="stability-long",
+    template="What is {question}?\n" + BOXED_INSTRUCTION, config={"max_completion_length": LONG_COMPLETIONS},
+    eval_max_new_tokens=LONG_COMPLETIONS, rate_screen=(1e-6, 3e-6, 1e-5, 3e-5, 1e-4), best_rate=3e-5,
+    grid=(1e-6, 3e-5, 3e-4), methods=(REFERENCE, PEAK_DELTA_METHOD), delta_of=A_PLUS_B, transfer=None,
+    collapse_rate=None)
+PROBLEM_SETS: Mapping[str, ProblemSet] = MappingProxyType(
+    {"a+b": A_PLUS_B, "a±b": A_PLUS_MINUS_B, "a×b": A_TIMES_B, "a+b-reasoned": A_PLUS_B_REASONED})
+
+
+def problems_titled(title: str) -> ProblemSet:
+    """The problem set (or transfer task) whose runs record ``title`` as their problems."""
+    return next(p for p in [*PROBLEM_SETS.values(), *(p.transfer.task for p in PROBLEM_SETS.values() if p.transfer)]
+                if p.title == title)
+
+
+# --- synthetic testbed -----------------------------------------------------------------------------------------------
+# the testbed's `oblrpo`, the defaults before the trust region, as this grid ran them; the arms below vary the rule
+DEFAULT = synthetic.METHODS["oblrpo"]
+SYNTHETIC_METHODS: Mapping[str, synthetic.Method] = MappingProxyType({
+    "grpo": synthetic.METHODS["grpo"],
+    "oblrpo": DEFAULT,
+    "oblrpo-unscaled": synthetic.METHODS["oblrpo-unscaled"],
+    "oblrpo-no-snr": replace(DEFAULT, rate=synthetic.CONSTANT_RATE,
+                             description="OBLR-PO's baseline (group std scaling), no SNR factor"),
+    "oblrpo-two-sided": replace(DEFAULT, rate=synthetic.calibrated_snr_rate(0.5, 2.0),
+                                description="calibrated factor, ratio in [0.5, 2]"),
+    "oblrpo-contract": replace(DEFAULT, rate=synthetic.calibrated_snr_rate(0.25, 1.0),
+                               description="calibrated factor, ratio in [0.25, 1]: never raises the rate"),
+    "oblrpo-absolute": replace(DEFAULT, rate={"lr_trust_region_kl": None, "snr_lr_reference": "absolute"},
+                               description="the paper-literal factor (the rate is η_max)"),
+    # a + b's δ, unchanged, on the testbed: what the trust region costs where the rate is right
+    **{f"oblrpo-trust-{form}": replace(
+        DEFAULT, rate={**DEFAULT.rate, "lr_trust_region_kl": A_PLUS_B.trust_region_kl, "lr_trust_region_mode": form,
+                       "lr_trust_region_curvature": "per_rate", "lr_trust_region_measure_steps": 1},
+        description=f"the defaults with the trust region of the step, {form} form, "
+        f"δ = {A_PLUS_B.trust_region_kl:g} (a + b's)") for form in ("cap", "target")},
+})
+SYNTHETIC_RATES = (0.1, 0.3, 1.0, 3.0)  # GRPO's best rate on the testbed up to 30× it
+
+
+# --- studies ---------------------------------------------------------------------------------------------------------
+def grid_rates(problems: ProblemSet) -> tuple[float, ...]:
+    return problems.grid or ()
+
+
+def best_rate(problems: ProblemSet) -> tuple[float, ...]:
+    return (problems.best_rate,) if problems.best_rate else ()
+
+
+def validation_rates(problems: ProblemSet) -> tuple[float, ...]:
+    """GRPO's best rate on ``problems``, or the rates of their screen while none is chosen."""
+    return best_rate(problems) or problems.rate_screen
+
+
+def transfer_rates(problems: ProblemSet) -> tuple[float, ...]:
+    best = problems.transfer.task.best_rate
+    return best, float(f"{10 * best:g}")
+
+
+def transfer_screen(problems: ProblemSet) -> tuple[float, ...]:
+    return problems.transfer.rate_screen
+
+
+@dataclass(frozen=True)
+class Study:
+    """A set of SmolLM2 runs, made by ``stability.py --part <part>``, each recording ``study``, ``steps`` and
+    ``config_changes`` (this study's config and ``--set``'s): what tells it apart from another study's run of the
+    same method, rate and seed. The rates are a function of the ``--problems`` problem set."""
+
+    part: str
+    name: str  # what its runs record as their study
+    description: str
+    seeds: tuple[int, ...]
+    steps: int
+    rates: Callable[[ProblemSet], tuple[float, ...]]
+    methods: tuple[str, ...] | None = None  # None: the problem set's grid's, or its transfer's
+    split: Literal["test", "validation"] = "test"
+    problems: ProblemSet | None = None  # its own problem set (None: ``--problems``')
+    on_transfer: bool = False  # on ``--problems``' transfer task, in the transfer's folder
+    config: Mapping[str, Any] = field(default_factory=lambda: NOTHING)  # config fields beyond the problem set's
+    folder: str = ""  # its records' folder under runs/: its own where its runs share a method, rate and seed with
+    # another study's (the record's file name says only those)
+    results: str | None = None  # a results folder of its own (None: its problem set's)
+    compare: tuple[str, str] | None = None  # (with, without): the summary reports their paired difference per rate
+
+    def __post_init__(self):
+        object.__setattr__(self, "config", frozen(self.config))
+
+    def identity(self, steps: int, overrides: Mapping[str, Any]) -> dict:
+        """What a run of this study records beside its method, rate and seed."""
+        return {"study": self.name, "steps": steps, "config_changes": {**self.config, **overrides}}
+
+
+DELTA_METHOD = "oblrpo-kl"
+VALIDATION_SEEDS = (10, 11)
+STUDIES: Mapping[str, Study] = by_name((
+    Study("smollm2", "grid", "each method at each rate of the problem set's grid, paired test seeds",
+          seeds=(0, 1, 2, 3, 4), steps=40, rates=grid_rates),
+    # δ of the trust region is chosen per problem set from the per-step KL of the defaults without one at GRPO's best
+    # rate, on validation seeds only
+    Study("delta", "validation", "the runs δ is read off", seeds=VALIDATION_SEEDS, steps=40, rates=best_rate,
+          methods=(DELTA_METHOD,), split="validation"),
+    Study("validation", "validation", "any methods on validation seeds and the validation split (choosing)",
+          seeds=VALIDATION_SEEDS, steps=40, rates=validation_rates, methods=(DELTA_METHOD,), split="validation"),
+    # in 40 steps the per-completion arm resolves at a median step 23 and acts on 40 % of the steps: 60 steps (TRL's
+    # schedule stretched over them) let it act on most of a run
+    Study("snr-long", "snr-long", "the SNR ablation's per-completion arm and the defaults without the factor, longer",
+          seeds=tuple(range(10)), steps=60, rates=best_rate,
+          methods=("oblrpo-defaults-snr-two-sided-cal5-per-sample", SNR_ABLATION_WITHOUT), folder="snr-long"),
+    Study("transfer", "transfer", "the grid's δ, unchanged, on the problem set's second task", seeds=(0, 1, 2),
+          steps=40, rates=transfer_rates, on_transfer=True),
+    Study("transfer-rate", "validation", "GRPO's best rate on the second task, screened on validation seeds",
+          seeds=VALIDATION_SEEDS, steps=40, rates=transfer_screen, methods=(REFERENCE,), split="validation",
+          on_transfer=True),
+    # 4 prompts a step and a longer run, so that the calibration window resolves and the factor is seen acting
+    Study("resolve", "resolve", "one longer configuration on a ± b with more prompts a step", seeds=(0,), steps=60,
+          rates=lambda _: (3e-5,), methods=("oblrpo-no-trust", REFERENCE, "oblrpo-two-sided"),
+          problems=A_PLUS_MINUS_B, config={"per_device_train_batch_size": 16, "num_generations": 4},
+          folder="resolve"),
+    # the SNR factor as it ships (raise-only) against none at 8 prompts a step (32 completions), where the synthetic
+    # testbed saw it act on 2–5 % of the steps. 40 steps: the default calibration window opens after 5 estimates and
+    # holds 20, so the factor acts from step 26 at the earliest (20 steps would leave it nothing to do); 320 prompts a
+    # run, 4× the grid's
+    Study("snr-batch", "snr-batch", "the SNR factor at 8 prompts a step on SmolLM2, with and without",
+          seeds=(0, 1, 2, 3, 4), steps=40, rates=lambda problems: (problems.best_rate, 1e-6),
+          methods=("oblrpo", SNR_ABLATION_WITHOUT), problems=A_PLUS_B,
+          config={"per_device_train_batch_size": 32, "num_generations": 4, "gradient_accumulation_steps": 1},
+          results="stability-snr-8prompts", compare=("oblrpo", SNR_ABLATION_WITHOUT)),
+), name=lambda study: study.part)
+GRID = STUDIES["smollm2"]
+SNR_LONG = STUDIES["snr-long"]
+RESOLVE = STUDIES["resolve"]
+TRANSFER = STUDIES["transfer"]
+SUPERSEDED = "trust-region-v1"  # the first trust-region screen's runs, before steps with a zero gradient were left out
+
+
+def results_folder(part: str, problems: str) -> str:
+    """The results folder a part writes to by default: its study's own, else its problem set's."""
+    study = STUDIES.get(part)
+    if study is not None and study.results:
+        return study.results
+    return (study.problems if study is not None and study.problems else PROBLEM_SETS[problems]).folder

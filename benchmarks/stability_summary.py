@@ -1,0 +1,565 @@
+"""The stability summary of one results folder (``summary.{json,md,png}``): a list of sections, each a function of
+the folder's run records that returns its part of the JSON, its markdown and the rows it adds to ``summary.png``.
+
+A section returns None where the folder holds nothing it reports; the numbers are `stability_measures.py`'s."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import learning  # noqa: E402
+from common import RESULTS, markdown_table, shipped, write_results  # noqa: E402
+from oblr_trl.estimators.snr import CALIBRATION_MIN_T  # noqa: E402
+from stability_figures import (  # noqa: E402
+    Row, cells_row, plot_collapse, plot_rates_used, plot_summary, resolve_row, screen_row,
+)
+from stability_measures import (  # noqa: E402
+    COLLAPSE_MARGIN, completion_lengths, defaults_twin, delta_units, grid_summary, median_completion_length,
+    paired_by_rate, screen_by_rate, smollm2_grid, snr_ablation, step_kl_spread,
+)
+from stability_registry import (  # noqa: E402
+    CPU, DEFAULT, DELTA_METHOD, GRID, LONG_COMPLETIONS, PEAK_DELTA, PEAK_DELTA_METHOD, RATE_FOLLOWERS, REFERENCE,
+    RESOLVE, SNR_ABLATION_ARMS, SNR_ABLATION_WITHOUT, SNR_LONG, STUDIES, SUPERSEDED, SYNTHETIC_METHODS, TRANSFER,
+    ProblemSet, Study, problems_titled,
+)
+
+# --- the folder's records --------------------------------------------------------------------------------------------
+def read_runs(folder: Path, split: str) -> list[dict]:
+    """The run records of ``split`` in ``folder`` (none where it is not), in the order of their file names."""
+    return [json.loads(p.read_text()) for p in sorted(folder.glob(f"{split}-*.json"))]
+
+
+def cached_runs(folder: Path) -> list[dict]:
+    """A folder's test runs of one grader, never a mix: the current grader's where it has any, else the older ones
+    (which `grader_warning` then marks in the summary)."""
+    from oblr_trl.rewards import GRADER_VERSION
+
+    runs = read_runs(folder, "test")
+    return [r for r in runs if learning.grader_of(r) == GRADER_VERSION] or runs
+
+
+def grader_warning(runs: list[dict]) -> str:
+    """A line for the summary where the runs (of one grader: `cached_runs`) were graded by an older grader."""
+    from oblr_trl.rewards import GRADER_VERSION
+
+    if not runs or learning.grader_of(runs[0]) == GRADER_VERSION:
+        return ""
+    return ("**Graded by math-verify alone (before 2026-11-25), which credited an unevaluated expression: policies "
+            "trained on a × b restated the question (\"19 * 20 is a legendary and iconic Japanese martial arts film "
+            "franchise\", graded correct), so these accuracies do not measure arithmetic. Re-run to grade them as "
+            "now.**\n")
+
+
+@dataclass
+class Folder:
+    """One results folder's records, read once: its test runs (`cached_runs`, the untrained model's among them) and
+    validation runs under ``runs/``, and the problem set they trained on (``--problems``' before any run)."""
+
+    output_dir: Path
+    problems: ProblemSet
+    resamples: int
+    tests: list[dict]
+    validation: list[dict]
+    elsewhere: dict[str, list[dict]] = field(default_factory=dict)  # test runs of the folders below runs/, read once
+
+    @classmethod
+    def read(cls, output_dir: Path, problems: ProblemSet, resamples: int) -> Folder:
+        tests, validation = cached_runs(output_dir / "runs"), read_runs(output_dir / "runs", "validation")
+        recorded = [*tests, *validation]
+        return cls(output_dir, problems_titled(recorded[0]["problems"]) if recorded else problems, resamples, tests,
+                   validation)
+
+    def tests_in(self, folder: str) -> list[dict]:
+        """The test runs of a folder under runs/ (`cached_runs`; runs/ itself for "")."""
+        if not folder:
+            return self.tests
+        if folder not in self.elsewhere:
+            self.elsewhere[folder] = cached_runs(self.output_dir / "runs" / folder)
+        return self.elsewhere[folder]
+
+    def runs_of(self, study: Study, folder: str | None = None) -> list[dict]:
+        """The study's test runs, from its folder (or ``folder``) under runs/."""
+        return [r for r in self.tests_in(study.folder if folder is None else folder)
+                if r["method"] != "initial" and r["study"] == study.name]
+
+    @cached_property
+    def initial(self) -> dict | None:
+        return next((r for r in self.tests if r["method"] == "initial"), None)
+
+    @cached_property
+    def grid(self) -> tuple[dict, dict] | None:
+        """`smollm2_grid` of the folder's grid runs; None before the untrained model and a grid run are there."""
+        if self.initial is None:
+            return None
+        return smollm2_grid(self.initial, self.runs_of(GRID), self.resamples, self.problems, self.problems.grid)
+
+
+@dataclass
+class Section:
+    markdown: list[str]
+    results: dict = field(default_factory=dict)
+    rows: list[Row] = field(default_factory=list)  # rows of summary.png
+
+
+def interval(mean: float, ci: list[float]) -> str:
+    return f"{mean:+.3f} [{ci[0]:+.3f}, {ci[1]:+.3f}]"
+
+
+def fraction(value: float | None) -> str:
+    return "—" if value is None else f"{value:.2f}"
+
+
+# --- the grid --------------------------------------------------------------------------------------------------------
+def cell_table(summary: dict, rates: list[float]) -> str:
+    rows = []
+    for method, entry in summary["methods"].items():
+        regret = (f"{entry['regret_mean']:.3f} [{entry['regret_ci'][0]:.3f}, {entry['regret_ci'][1]:.3f}]"
+                  if "regret_mean" in entry else "—")
+        vs = (interval(entry["regret_minus_grpo"], entry["regret_minus_grpo_ci"]) if "regret_minus_grpo" in entry
+              else "—")
+        cells = []
+        for rate in rates:
+            cell = entry["by_lr"].get(f"{rate:.3g}")
+            cells.append("—" if cell is None else
+                         f"{cell['final_acc_mean']:.3f} [{cell['final_acc_ci'][0]:.3f}, {cell['final_acc_ci'][1]:.3f}]"
+                         f" · {cell['collapse_fraction']:.0%}"
+                         f" · f {cell['factor_range'][0]:.2f}–{cell['factor_range'][1]:.2f}"
+                         f" (n={len(cell['seeds'])})")
+        at_best = (interval(entry["at_grpo_best_minus_grpo"], entry["at_grpo_best_minus_grpo_ci"])
+                   if "at_grpo_best_minus_grpo" in entry else "—")
+        extra = (", ".join(f"{r:.3g}" for r in entry["collapses_where_grpo_does_not"]) or "none"
+                 if "collapses_where_grpo_does_not" in entry else "—")
+        name = f"{method} (= {entry['same_runs_as']}'s runs)" if "same_runs_as" in entry else method
+        rows.append([name, *cells, regret, vs, at_best, extra])
+    return markdown_table(["method", *[f"lr {r:.3g}: final [CI] · collapsed · factor" for r in rates],
+                           "regret [CI]", "regret − grpo [CI]", "at GRPO's best rate − grpo [CI]",
+                           "collapsed where GRPO did not"], rows)
+
+
+def grid_section(folder: Folder) -> Section | None:
+    """Per method and configured rate of the problem set's grid: final test accuracy, collapses, the SNR factor's
+    range, and the regret paired with GRPO (`grid_summary`)."""
+    if folder.grid is None:
+        return None
+    summary, details = folder.grid
+    return Section(
+        [f"## SmolLM2-135M-Instruct ({details['problems']}, {details['steps']} steps of 8 completions, TRL's linear "
+         f"schedule; untrained test accuracy {details['initial_accuracy']:.3f})\n",
+         grader_warning(folder.tests),
+         f"Cell: final test accuracy [95 % CI] · collapsed fraction (final < untrained − {COLLAPSE_MARGIN:g}) · "
+         "realised SNR factor range (n = seeds). Regret: best cell mean final minus this method's final, averaged "
+         "over the rates, per seed; difference paired with `grpo` (bootstrap over seeds).\n",
+         cell_table(summary, details["rates"]), ""],
+        {**summary, "smollm2": {**details, "grader": learning.grader_of(folder.tests[0])}},
+        [cells_row(f"SmolLM2-135M, {details['problems']}", summary, details["rates"])])
+
+
+def forms_section(folder: Folder) -> Section | None:
+    """The trust region's forms, paired by seed at each rate both ran (`form_comparison`)."""
+    if folder.grid is None or not folder.grid[0]["forms"]:
+        return None
+    comparison = folder.grid[0]["forms"]
+    rates = sorted({rate for by_rate in comparison.values() for rate in by_rate}, key=float)
+    rows = [[pair, *(f"{interval(c['mean'], c['ci'])} (n={len(c['seeds'])})" if (c := by_rate.get(rate)) else "—"
+                     for rate in rates)]
+            for pair, by_rate in comparison.items()]
+    return Section(["The trust region's forms (cap, target, peak), measuring cadences (every 8th, every 16th step) "
+                    "and curvature readings (per unit rate, per unit of Adam's update), on OBLR-PO's and on GRPO's "
+                    "advantages, paired by seed at each rate both ran:\n",
+                    markdown_table(["final accuracy, paired by seed", *rates], rows), ""])
+
+
+def form_regrets_section(folder: Folder) -> Section | None:
+    """The forms' regret differences over the grid (`form_regret_differences`)."""
+    if folder.grid is None or not folder.grid[0]["form_regrets"]:
+        return None
+    return Section(["Regret difference over the grid, paired by seed (the seeds both ran at every rate):\n",
+                    markdown_table(["pair", "regret difference [95 % CI]", "seeds"],
+                                   [[pair, interval(d["mean"], d["ci"]), " ".join(map(str, d["seeds"]))]
+                                    for pair, d in folder.grid[0]["form_regrets"].items()]), ""])
+
+
+def rate_rule_section(folder: Folder) -> Section | None:
+    """What the trust region did in each method's runs (`rate_rule_traces`)."""
+    if folder.grid is None or not folder.grid[0]["rate_rule"]:
+        return None
+    rows = []
+    for method, entry in folder.grid[0]["rate_rule"].items():
+        aim = "not logged" if "aim_ratio_median" not in entry else (
+            f"{entry['aim_ratio_median']:.2f} [{entry['aim_ratio_quartiles'][0]:.2f}, "
+            f"{entry['aim_ratio_quartiles'][2]:.2f}] ({entry['aim_ratio_steps']} steps)")
+        rows.append([method, entry["runs"], f"{fraction(entry['moving_fraction'])} of {entry['inside_bounds_pairs']}",
+                     aim])
+    return Section(["What the trust region did in each method's runs (grid and beside it): how often the rate used "
+                    "moved between measurements while the factor sat inside its bounds, and where the measured steps "
+                    "landed against the KL the rule aimed them at:\n",
+                    markdown_table(["method", "runs", "rate moved > 1 % between measurements, inside the bounds",
+                                    "measured ÷ aimed KL after the first measurement: median [quartiles]"], rows), ""])
+
+
+def defaults_range_section(folder: Folder) -> Section | None:
+    """The defaults' twin at every configured rate it ran, against the grid's best cell (`rate_range`)."""
+    if folder.grid is None or not folder.grid[1].get("defaults_range"):
+        return None
+    summary, details = folder.grid
+    return Section([f"The defaults (`{summary['methods']['oblrpo']['same_runs_as']}`) at every configured rate, grid "
+                    "and beside it, against the grid's best cell:\n",
+                    markdown_table(["configured rate", "mean final", "seeds", "÷ best cell"],
+                                   [[rate, f"{cell['final_mean']:.3f}", cell["seeds"], fraction(cell["of_best_cell"])]
+                                    for rate, cell in details["defaults_range"].items()]), ""])
+
+
+def snr_ablation_section(folder: Folder) -> Section | None:
+    """The SNR factor on and off at GRPO's best rate, the rest of the defaults unchanged, paired by seed
+    (`snr_ablation`): the defaults' twin and `SNR_ABLATION_ARMS` in the grid's runs, and the `SNR_LONG` study's arm
+    against its own runs without the factor."""
+    if folder.grid is None:
+        return None
+    twin = defaults_twin(folder.problems)
+    grid, longer = folder.runs_of(GRID), folder.runs_of(SNR_LONG)
+    arms = [(arm, arm, grid) for arm in ([twin] if twin else []) + list(SNR_ABLATION_ARMS)]
+    arms += [(f"{SNR_LONG.part}: {arm}", arm, longer) for arm in SNR_LONG.methods if arm != SNR_ABLATION_WITHOUT]
+    screened = [m for m in (twin, SNR_ABLATION_WITHOUT, *SNR_ABLATION_ARMS) if m]
+    ablation = snr_ablation(arms, SNR_ABLATION_WITHOUT, folder.validation, screened, folder.problems.best_rate,
+                            folder.resamples, defaults=twin)
+    if not ablation:
+        return None
+    rows = [[entry["with"], entry["steps"], f"{entry['with_final_mean']:.3f}", f"{entry['without_final_mean']:.3f}",
+             interval(entry["difference_mean"], entry["difference_ci"]), len(entry["seeds"]),
+             fraction(entry["acting_fraction"])]
+            for entry in ([ablation] if "with" in ablation else []) + list(ablation["variants"].values())]
+    lines = [f"The SNR factor on and off, the rest of the defaults unchanged (final test accuracy at "
+             f"{ablation['rate']:g}, paired by seed against `{SNR_ABLATION_WITHOUT}` over as many steps; acted: the "
+             "share of the arm's steps whose rate the factor moved by more than 1 %):\n"]
+    if rows:
+        lines += [markdown_table(["with the factor", "steps", "final", "without", "difference [95 % CI]", "seeds",
+                                  "acted"], rows), ""]
+    if ablation["validation"]:
+        lines += ["Validation runs that chose the arms (validation seeds and split):\n",
+                  markdown_table(["method", "seed: final validation acc.", "acted"],
+                                 [[method, ", ".join(f"{seed}: {acc:.3f}" for seed, acc in v["final_by_seed"].items()),
+                                   fraction(v["acting_fraction"])]
+                                  for method, v in ablation["validation"].items()]), ""]
+    return Section(lines, {"snr_ablation": ablation})
+
+
+def beyond_grid_section(folder: Folder) -> Section | None:
+    """The grid study's runs at rates outside the grid, per seed (not in the regret)."""
+    if folder.grid is None or not folder.grid[1]["beyond_grid"]:
+        return None
+    return Section(["Runs outside the grid (not in the regret): final test accuracy per seed\n",
+                    markdown_table(["method @ rate", "seed: final"],
+                                   [[cell, ", ".join(f"{seed}: {acc:.3f}" for seed, acc in finals.items())]
+                                    for cell, finals in folder.grid[1]["beyond_grid"].items()]), ""])
+
+
+# --- long completions and rate screens -------------------------------------------------------------------------------
+def completion_lengths_section(folder: Folder) -> Section | None:
+    """On a task with a prompt template (long answers): how long its answers are, untrained and after training
+    (`completion_lengths`)."""
+    if folder.problems.template is None or not folder.tests:
+        return None
+    lengths = completion_lengths(folder.tests)
+    rows = [[method, rate, f"{c['sampled_mean']:.1f}", f"{c['greedy_median']:.1f}", c["runs"]]
+            for method, by_rate in lengths["completion_tokens_at_end"].items() for rate, c in by_rate.items()]
+    untrained = (f"Completion length in tokens (δ is per token): the untrained model's median "
+                 f"{lengths['median_completion_tokens']} sampled as training samples (temperature 1, at most "
+                 f"{LONG_COMPLETIONS}), {lengths['median_completion_tokens_greedy']} greedy on the test problems")
+    if not rows:
+        return Section([untrained + "; no test run has trained yet.\n"], lengths)
+    return Section([untrained + "; after training:\n",
+                    markdown_table(["method", "lr", "last step's mean sampled length", "greedy median (test)", "runs"],
+                                   rows), ""], lengths)
+
+
+def screen_lines(screen: list[dict], problems: ProblemSet) -> tuple[dict, list[str]]:
+    """GRPO's final validation accuracy per rate and seed (the runs that choose ``problems``' best rate), and the
+    lines for it."""
+    by_rate = screen_by_rate(screen)
+    chosen = f"chosen: {problems.best_rate:g}" if problems.best_rate else "none chosen yet"
+    lines = [f"## GRPO's best rate on {problems.title} (validation seeds {sorted({r['seed'] for r in screen})}, "
+             f"validation split; {chosen})\n",
+             markdown_table(["lr", "seed: final validation acc.", "mean"],
+                            [[rate, ", ".join(f"{r['seed']}: {r['accuracy']:.3f}" for r in runs),
+                              statistics.fmean(r["accuracy"] for r in runs)] for rate, runs in by_rate.items()]), ""]
+    return {f"{rate:g}": {r["seed"]: r["accuracy"] for r in runs} for rate, runs in by_rate.items()}, lines
+
+
+def rate_screen_section(folder: Folder) -> Section | None:
+    """GRPO's rate screen on validation seeds, where the problem set has one (its best rate is chosen there)."""
+    screen = [r for r in folder.validation if r["method"] == REFERENCE] if folder.problems.rate_screen else []
+    if not screen:
+        return None
+    results, lines = screen_lines(screen, folder.problems)
+    return Section(lines, {"rate_screen": results}, [screen_row(screen)])
+
+
+def transfer_rate_screen_section(folder: Folder) -> Section | None:
+    """GRPO's rate screen on the problem set's second task (`--part transfer-rate`)."""
+    transfer = folder.problems.transfer
+    screen = [] if transfer is None else read_runs(folder.output_dir / "runs" / transfer.runs, "validation")
+    if not screen:
+        return None
+    results, lines = screen_lines(screen, transfer.task)
+    return Section(lines, {"transfer_rate_screen": results})
+
+
+def transfer_section(folder: Folder) -> Section | None:
+    """The grid's δ, unchanged, on the second task: cells and regret over its rates (`smollm2_grid`)."""
+    transfer = folder.problems.transfer
+    if transfer is None:
+        return None
+    runs = folder.tests_in(transfer.runs)
+    initial = next((r for r in runs if r["method"] == "initial"), None)
+    grid = initial and smollm2_grid(initial, folder.runs_of(TRANSFER, transfer.runs), folder.resamples, transfer.task,
+                                    None)
+    if not grid:
+        return None
+    summary, details = grid
+    task, delta, source = transfer.task, folder.problems.trust_region_kl, folder.problems.title
+    rate_origin = "screened above" if transfer.rate_screen else f"taken from {source}"
+    return Section(
+        [f"## Transfer: δ = {delta:g}, chosen on {source}, unchanged on {task.title} (operands 0…{task.max_operand}, "
+         f"{details['steps']} steps, untrained test accuracy {details['initial_accuracy']:.3f}; runs in "
+         f"`runs/{transfer.runs}/`)\n",
+         grader_warning(runs),
+         f"GRPO's best rate ({rate_origin}) and 10× it; cells and regret as above, the regret over these rates "
+         "only.\n",
+         cell_table(summary, details["rates"]), ""],
+        {"transfer": {**summary, **details, "task": task.task_record(), "trust_region_kl": delta,
+                      "grader": learning.grader_of(runs[0])}},
+        [cells_row(f"SmolLM2-135M, {task.title}: δ = {delta:g} carried over", summary, details["rates"])])
+
+
+# --- studies of their own --------------------------------------------------------------------------------------------
+def resolve_section(folder: Folder) -> Section | None:
+    """The `RESOLVE` study's runs: when the SNR factor's calibration resolved, its t-statistic, the factor it gave and
+    the rate each step used."""
+    runs = sorted(folder.runs_of(RESOLVE), key=lambda r: (r["learning_rate"], r["method"]))
+    if not runs:
+        return None
+    rows = []
+    for r in runs:
+        factors = [f for f in r["traces"]["snr/lr_factor"] if not math.isnan(f)]
+        resolved = next((i + 1 for i, v in enumerate(r["traces"]["snr/resolved"]) if v == 1), None)
+        t_values = [t for t in r["traces"]["snr/calibration_t"] if math.isfinite(t)]
+        ratios = [f / ref for f, ref in zip(r["traces"]["snr/bound_factor"], r["traces"]["snr/reference_factor"])
+                  if math.isfinite(f / ref)]  # what an unclamped calibrated factor would have been
+        rows.append([r["method"], r["learning_rate"], r["accuracy"], learning.auc(r),
+                     resolved or ("never" if factors else "— (no SNR factor)"),
+                     f"{max(t_values):.2f} / {t_values[-1]:.2f}" if t_values else "—",
+                     f"{min(ratios):.2f}–{max(ratios):.2f}" if ratios else "—",
+                     f"{min(factors):.2f}–{max(factors):.2f}" if factors else "—",
+                     statistics.fmean(factors) if factors else "—"])
+    seeds = ", ".join(map(str, RESOLVE.seeds))
+    return Section(
+        [f"## SmolLM2 with more prompts a step, so that the calibration can resolve ({dict(RESOLVE.config)}, "
+         f"{RESOLVE.steps} steps, seed {seeds}; the rates tried)\n",
+         "The window resolves once it holds `snr_calibration_steps` estimates (20 by default) whose mean ‖μ‖² has a "
+         f"t-statistic ≥ {CALIBRATION_MIN_T:g}; until then the factor is 1.\n",
+         markdown_table(["run", "lr", "final acc.", "AUC", "resolved at step", "t: largest / last",
+                         "f_t/f_ref once resolved", "factor range", "mean factor"], rows), ""],
+        {"resolve": [{key: r[key] for key in ("method", "seed", "learning_rate", "accuracy")}
+                     | {"auc": learning.auc(r), "lr_factor": r["traces"]["snr/lr_factor"],
+                        "resolved": r["traces"]["snr/resolved"], "effective_lr": learning.used_rates(r["traces"])}
+                     for r in runs]},
+        [resolve_row(runs, RESOLVE.config["per_device_train_batch_size"])])
+
+
+def compared_studies_section(folder: Folder) -> Section | None:
+    """Per study that names a pair to compare (``compare``: with, without), per rate: the paired difference of final
+    test accuracy and of AUC with bootstrap 95 % intervals, and the share of the first arm's steps whose SNR factor
+    moved the rate (`paired_by_rate`)."""
+    results, lines = {}, []
+    for study in STUDIES.values():
+        runs = folder.runs_of(study) if study.compare else []
+        by_rate = paired_by_rate(runs, *study.compare, folder.resamples) if runs else {}
+        if not by_rate:
+            continue
+        mine, theirs = study.compare
+        config = {**CPU["config"], **folder.problems.config, **runs[0]["config_changes"]}
+        completions = config["per_device_train_batch_size"] * config["gradient_accumulation_steps"]
+        results[study.name] = {"with": mine, "without": theirs, "steps": runs[0]["steps"],
+                               "config_changes": runs[0]["config_changes"], "by_rate": by_rate}
+        lines += [f"## {study.description[0].upper()}{study.description[1:]} (`{mine}` − `{theirs}`; "
+                  f"{runs[0]['problems']}, {runs[0]['steps']} steps of {completions} completions, "
+                  f"{completions // config['num_generations']} prompts a step; paired test seeds)\n",
+                  "Acted: the share of the first arm's steps whose rate the SNR factor moved by more than 1 %.\n",
+                  markdown_table(["lr", "seeds", "final with", "final without", "final: difference [95 % CI]",
+                                  "AUC: difference [95 % CI]", "acted"],
+                                 [[rate, len(c["seeds"]), f"{c['with_final_mean']:.3f}",
+                                   f"{c['without_final_mean']:.3f}",
+                                   interval(c["difference_mean"], c["difference_ci"]),
+                                   interval(c["auc_difference_mean"], c["auc_difference_ci"]),
+                                   fraction(c["acting_fraction"])]
+                                  for rate, c in by_rate.items()]), ""]
+    return Section(lines, {"compared": results}) if results else None
+
+
+# --- δ and the trust region's runs -----------------------------------------------------------------------------------
+def delta_units_lines(units: dict, source: ProblemSet, source_length: float) -> list[str]:
+    rows = []
+    for title, unit in units.items():
+        measured = unit["defaults_measured_peak"]
+        rows.append([title, f"{unit['best_rate']:g}", f"{unit['median_completion_length']:.1f}",
+                     f"{unit['step_kl_at_peak_median']:.2e}", f"{unit['per_token']:.2f}×",
+                     f"{unit['per_completion']:.2f}×",
+                     "not run" if measured is None else
+                     f"{measured['median']:.2f}× ({len(measured['run_medians'])} runs, "
+                     f"{min(measured['run_medians']):.2f}–{max(measured['run_medians']):.2f})"])
+    return [f"Where each unit of δ puts the peak form's rate, as a multiple of GRPO's best rate on each task (δ = "
+            f"{PEAK_DELTA:g} per token, or {PEAK_DELTA:g} × {source_length:.1f} = {PEAK_DELTA * source_length:.3g} "
+            f"per completion, {source.title}'s median answer length; from each task's runs without a trust region at "
+            "GRPO's best rate, validation seeds):\n",
+            markdown_table(["task", "GRPO's best rate", "median length", "median KL per token at the peak",
+                            "η̂ ÷ best, δ per token", "η̂ ÷ best, δ per completion",
+                            "the defaults' measured η̂ ÷ best (test runs at the best rate; run medians' range)"], rows),
+            ""]
+
+
+def delta_section(folder: Folder) -> Section | None:
+    """The per-step KL of the runs δ is read off (the defaults without a trust region at GRPO's best rate, validation
+    seeds: `step_kl_spread`) and the δ chosen from it; on a task that keeps another's δ, where each unit of δ puts the
+    peak rate on both (`delta_units`)."""
+    delta_runs = [r for r in folder.validation if r["method"] == DELTA_METHOD]
+    if not delta_runs:
+        return None
+    problems, spread = folder.problems, step_kl_spread(delta_runs)
+    quartiles, peak_quartiles = spread["step_kl_quartiles"], spread["step_kl_at_peak_quartiles"]
+    results = {"seeds": [r["seed"] for r in delta_runs], "rate": delta_runs[0]["learning_rate"], "split": "validation",
+               "step_kl_quartiles": quartiles, "step_kl_90th_percentile": spread["step_kl_90th_percentile"],
+               "chosen": None if problems.delta_of else problems.trust_region_kl,
+               "step_kl_at_peak_quartiles": peak_quartiles}
+    unit_lines = []
+    if problems.delta_of:
+        source = problems.delta_of
+        source_runs = RESULTS / source.folder / "runs"
+        source_validation = read_runs(source_runs, "validation")
+        # the source's δ runs may predate the length trace: its answers' length is then read off its validation runs
+        # at the same rate that log it
+        source_length = median_completion_length([r for r in source_validation
+                                                  if r["learning_rate"] == source.best_rate
+                                                  and "completions/mean_length" in r["traces"]])
+        units = delta_units([(source.title, [r for r in source_validation if r["method"] == DELTA_METHOD],
+                              cached_runs(source_runs)), (problems.title, delta_runs, folder.tests)], source_length)
+        results.update(delta_of=source.title, units=units)
+        unit_lines = delta_units_lines(units, source, source_length)
+    if "step_kl_per_sequence_quartiles" in spread:
+        results["step_kl_per_sequence_quartiles"] = spread["step_kl_per_sequence_quartiles"]
+    chosen = (f"δ is not chosen here: the task keeps {problems.delta_of.title}'s (the defaults' {PEAK_DELTA:g} at the "
+              "peak), and these figures say what the same rule would read off its steps" if problems.delta_of else
+              f"The cap and target forms' δ = {problems.trust_region_kl:g} (the 90th percentile, rounded: the largest "
+              "steps the best rate takes while it learns); the defaults' peak form reads its δ off the steps scaled "
+              "to the peak, below")
+    sequence_line = ("" if "step_kl_per_sequence_quartiles" not in spread else
+                     "Per completion (KL per token × the step's mean completion length): quartiles "
+                     + " / ".join(f"{q:.2e}" for q in spread["step_kl_per_sequence_quartiles"]) + ". ")
+    return Section(
+        [f"## Choosing δ of the trust region (validation seeds {results['seeds']}, the defaults at GRPO's best rate "
+         f"{results['rate']:g}, validation split)\n",
+         f"Per-step KL(π_t ‖ π_t+1) per token over {spread['steps']} steps: quartiles {quartiles[0]:.2e} / "
+         f"{quartiles[1]:.2e} / {quartiles[2]:.2e}, 90th percentile {spread['step_kl_90th_percentile']:.2e}. "
+         f"{sequence_line}{chosen}.\n",
+         f"Scaled to the schedule's peak, KL·(η_peak/η)² over the {spread['steps_at_peak']} steps with a gradient: "
+         f"quartiles {peak_quartiles[0]:.2e} / {peak_quartiles[1]:.2e} / {peak_quartiles[2]:.2e} — the median is the "
+         f"δ a peak form whose steps land on their aim reads off these runs (`{PEAK_DELTA_METHOD}`).\n", "",
+         *unit_lines],
+        {"trust_region_delta": results})
+
+
+def trust_region_runs_section(folder: Folder) -> Section | None:
+    """Every run of the trust region's first forms and the paper-literal factor, with its median step KL; the traces
+    of one collapsing seed (`plot_collapse`, `plot_rates_used`)."""
+    runs = [r for r in folder.runs_of(GRID) if r["method"] in [*RATE_FOLLOWERS, "oblrpo-paper"]]
+    if not runs:
+        return None
+    rows = [[r["method"], r["learning_rate"], r["seed"], r["accuracy"], learning.auc(r),
+             statistics.median(k for k in r["traces"]["oblr/step_kl"] if math.isfinite(k))
+             if any(math.isfinite(k) for k in r["traces"]["oblr/step_kl"]) else "—"]
+            for r in sorted(runs, key=lambda r: (r["learning_rate"], r["seed"], r["method"]))]
+    lines = ["Trust-region runs so far (the grid is not complete: see the table above for the cells):\n",
+             markdown_table(["method", "lr", "seed", "final acc.", "AUC", "median step KL"], rows), ""]
+    collapse = plot_collapse(folder.runs_of(GRID), folder.problems, folder.output_dir)
+    if collapse is not None:
+        lines += [f"![one collapsing seed with and without the trust region]({collapse.name})\n"]
+    rates_used = plot_rates_used(folder.runs_of(GRID), folder.output_dir)
+    if rates_used is not None:
+        lines += [f"![the rate each step used, per configured rate]({rates_used.name})\n"]
+    return Section(lines)
+
+
+def superseded_section(folder: Folder) -> Section | None:
+    """The trust region's first rule, superseded, kept beside the grid (`runs/trust-region-v1/`)."""
+    runs = folder.tests_in(SUPERSEDED)
+    if not runs:
+        return None
+    return Section([f"Rule v1, superseded (`runs/{SUPERSEDED}/`: it also folded the KL of steps with a zero gradient, "
+                    "which move by Adam's momentum only, into the curvature):\n",
+                    markdown_table(["method", "lr", "seed", "final acc."],
+                                   [[r["method"], r["learning_rate"], r["seed"], r["accuracy"]]
+                                    for r in sorted(runs, key=lambda r: (r["method"], r["learning_rate"]))]), ""],
+                   {"trust_region_v1": [{key: r[key] for key in ("method", "seed", "learning_rate", "accuracy")}
+                                        for r in runs]})
+
+
+# --- the synthetic testbed -------------------------------------------------------------------------------------------
+def synthetic_defaults_line() -> str:
+    """Which testbed method of this grid runs OBLR-PO's rate rule as it ships, where `oblrpo` there does not (the
+    testbed's `oblrpo` is the defaults before the trust region became one: its cells were measured then and kept
+    under that name)."""
+    if DEFAULT.runs_shipped_rate:
+        return ""
+    twin = next((name for name, m in SYNTHETIC_METHODS.items() if m.runs_shipped_rate), None)
+    return (f"Here `oblrpo` is OBLR-PO's defaults without the trust region (before 2026-11-26); today's defaults "
+            f"(δ = {shipped('lr_trust_region_kl'):g}, {shipped('lr_trust_region_mode')}) are "
+            + (f"`{twin}`" if twin else "none of this grid's methods (the testbed's `defaults` arm runs them: "
+               "`synthetic_learning.py`)") + ".\n")
+
+
+def synthetic_section(folder: Folder) -> Section | None:
+    """The synthetic testbed's grid (`synthetic_cells.json`, `--part synthetic`), as the SmolLM2 grid's."""
+    path = folder.output_dir / "synthetic_cells.json"
+    if not path.exists():
+        return None
+    data = json.loads(path.read_text())
+    cells = {m: {float(rate): runs for rate, runs in by_rate.items()} for m, by_rate in data["cells"].items()}
+    summary = grid_summary(cells, folder.resamples)
+    return Section(
+        [f"## Synthetic testbed ({len(data['seeds'])} paired seeds, {data['task']['steps']} steps; methods without a "
+         "suffix use TRL's linear schedule, `-constant` a constant rate)\n",
+         synthetic_defaults_line(), cell_table(summary, data["rates"]), ""],
+        {"synthetic": {**summary, "task": data["task"], "rates": data["rates"], "seeds": len(data["seeds"]),
+                       "descriptions": data["descriptions"], "curves": data["curves"]}},
+        [cells_row("synthetic testbed", summary, data["rates"])])
+
+
+SECTIONS: tuple[Callable[[Folder], Section | None], ...] = (
+    grid_section, forms_section, form_regrets_section, rate_rule_section, defaults_range_section, snr_ablation_section,
+    beyond_grid_section, completion_lengths_section, rate_screen_section, transfer_rate_screen_section,
+    transfer_section, resolve_section, compared_studies_section, delta_section, trust_region_runs_section,
+    superseded_section, synthetic_section)
+
+
+def write_summary(output_dir: Path, problems: ProblemSet, resamples: int) -> None:
+    """``summary.{json,md,png}`` in ``output_dir``: every section of `SECTIONS` with something to report, in order.
+    ``problems``: the folder's problem set before any run says which."""
+    folder = Folder.read(output_dir, problems, resamples)
+    sections = [section for section in (write(folder) for write in SECTIONS) if section is not None]
+    if not sections:
+        raise SystemExit("nothing has been run yet: run --part synthetic, smollm2 or resolve first")
+    rows = [row for section in sections for row in section.rows]
+    figure = plot_summary(rows, output_dir) if rows else None
+    markdown = ["# Stability over the configured learning rate\n", "![summary](summary.png)\n",
+                *(line for section in sections for line in section.markdown)]
+    results = {key: value for section in sections for key, value in section.results.items()}
+    write_results(output_dir, "summary", results, "\n".join(markdown))
+    print("\n".join(markdown))
+    print(f"wrote {output_dir / 'summary.json'}" + (f" and {figure}" if figure else " (nothing to plot yet)"))
