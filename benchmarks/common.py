@@ -109,6 +109,11 @@ def build_trainer(
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     if overrides is None:
         config_cls, trainer_cls = GRPOConfig, GRPOTrainer
+        if config.get("use_vllm"):  # TRL's trainer with the glue OBLRPOTrainer carries, without which TRL's weight
+            # sync fails on vLLM's CPU build and its engine samples a float32 policy in bfloat16
+            from oblr_trl.training.vllm_colocate import ColocatedVLLMSetup
+
+            trainer_cls = type("GRPOTrainer", (ColocatedVLLMSetup, GRPOTrainer), {})
     else:
         trainer_cls, config = with_rate_tuning(trainer_cls or OBLRPOTrainer, {**config, **overrides})
         config_cls = OBLRPOConfig

@@ -319,6 +319,8 @@ def run_child(spec: dict) -> dict | list[dict]:
     returns per-step times and peak memory (per variant: none when interleaved, since they share the process)."""
     import torch
 
+    from oblr_trl.training.vllm_colocate import close_colocated_vllm
+
     if spec["fsdp2"]:
         torch.set_num_threads(1)  # one per process: the processes share the machine's cores
     generation = GenerationTimer()
@@ -327,6 +329,7 @@ def run_child(spec: dict) -> dict | list[dict]:
         trainer, times = timed_trainer(spec, spec["variant"], generation, phases)
         with PeakMemory() as memory:
             trainer.train()
+        close_colocated_vllm(trainer)  # while the process group exists: its teardown at exit prints a traceback
         return run_result(spec, spec["variant"], trainer, times, memory.peak)
     variants = spec["variant"].split("+")
     lock_step = LockStep(variants)
@@ -346,6 +349,8 @@ def run_child(spec: dict) -> dict | list[dict]:
         thread.start()
     for thread in threads:
         thread.join()
+    for trainer, _ in trainers.values():
+        close_colocated_vllm(trainer)
     if failures:
         raise failures[0]
     return [{**run_result(spec, variant, *trainers[variant], None), "position": position}

@@ -80,6 +80,27 @@ def test_vllm_generation_and_importance_weighted_baseline(make_trainer, saved_ti
     assert logged and all(h["oblr/weights/extra_forward"] == 0.0 for h in logged)  # TRL's IS forward was reused
 
 
+@pytest.mark.parametrize("with_setup", [True, False])
+def test_trls_own_trainer_with_the_colocate_setup_loads_vllm_in_the_policy_dtype(
+        saved_tiny_model, monkeypatch, tmp_path, tokenizer, prompt_dataset, with_setup):
+    """`ColocatedVLLMSetup` before `GRPOTrainer` (what the benchmarks' GRPO reference on vLLM's CPU build is) builds
+    TRL's engine in the policy's dtype and leaves TRL's training as it is; TRL alone passes no dtype."""
+    from conftest import base_config_kwargs, digit_fraction_reward
+    from trl import GRPOConfig, GRPOTrainer
+
+    from oblr_trl.training.vllm_colocate import ColocatedVLLMSetup
+
+    fake_vllm.install(monkeypatch, str(saved_tiny_model))
+    trainer_cls = type("GRPOTrainer", (ColocatedVLLMSetup, GRPOTrainer), {}) if with_setup else GRPOTrainer
+    trainer = trainer_cls(model=str(saved_tiny_model), reward_funcs=[digit_fraction_reward], train_dataset=prompt_dataset,
+                          args=GRPOConfig(**base_config_kwargs(tmp_path, use_vllm=True, vllm_mode="colocate")),
+                          processing_class=tokenizer)
+    trainer.train()
+    (engine,) = fake_vllm.FakeLLM.instances
+    assert engine.kwargs.get("dtype") == ("float32" if with_setup else None)
+    assert engine.weight_syncs >= 2 and len([h for h in trainer.state.log_history if "loss" in h]) == 2
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Exact resume
 # ----------------------------------------------------------------------------------------------------------------

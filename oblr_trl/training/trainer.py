@@ -40,7 +40,7 @@ from .generation_hooks import empty_completions_as_eos
 from .guards import check_prompt_lengths, checked_reward_funcs
 from .run_records import RunDescription, RunRecords
 from .step_control import OptimizerStepControl, RateRuleTuning, step_rate_rule
-from .vllm_colocate import generation_dtype, track_repacked_weights, vllm_loads_in
+from .vllm_colocate import ColocatedVLLMSetup
 from .step_kl import StepKLRecorder
 from .step_noise import StepNoiseRecorder, loss_scale
 
@@ -81,7 +81,7 @@ class _OBLRPOCallback(TrainerCallback):
             control.should_training_stop = True
 
 
-class OBLRPOTrainer(GRPOTrainer):
+class OBLRPOTrainer(ColocatedVLLMSetup, GRPOTrainer):
     """Trainer for OBLR-PO (Optimal Baseline and Learning-Rate Policy Optimization, arXiv 2511.23310).
 
     A drop-in replacement for [`~trl.GRPOTrainer`] (same arguments) that changes two things:
@@ -146,10 +146,7 @@ class OBLRPOTrainer(GRPOTrainer):
         reward_funcs = checked_reward_funcs(
             reward_funcs, trainer_kwargs.get("train_dataset", (*trainer_args, None)[0]), not environment_owned
         )
-        with vllm_loads_in(lambda: generation_dtype(self.model, args.bf16, args.fp16)):
-            super().__init__(model, reward_funcs, args, *trainer_args, **trainer_kwargs)
-        if self.use_vllm and args.vllm_mode == "colocate":
-            track_repacked_weights(self.vllm_generation)
+        super().__init__(model, reward_funcs, args, *trainer_args, **trainer_kwargs)
         self._check_supported(args)
         # what the model card cannot read from the model and the data (set by `oblr-trl train`): the YAML recipe, the
         # base model's Hub id (a built-in model is a local folder), the Hub dataset and where the problems came from

@@ -12,6 +12,9 @@
 * **Shutdown.** vLLM tears its engine down from a finalizer at interpreter exit; by then the CLI has destroyed the
   process group the engine's groups belong to, and the teardown prints a traceback. `close_colocated_vllm` shuts the
   engine down while the group still exists.
+
+`ColocatedVLLMSetup` applies the first two to any `GRPOTrainer` subclass (`OBLRPOTrainer`, and the benchmarks' GRPO
+reference on vLLM's CPU build).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from contextlib import contextmanager
 
 import torch
 
-__all__ = ["close_colocated_vllm", "generation_dtype", "track_repacked_weights", "vllm_loads_in"]
+__all__ = ["ColocatedVLLMSetup", "close_colocated_vllm", "generation_dtype", "track_repacked_weights", "vllm_loads_in"]
 
 
 def generation_dtype(model: torch.nn.Module, bf16: bool, fp16: bool) -> torch.dtype:
@@ -79,6 +82,17 @@ def track_repacked_weights(generation) -> bool:
 
     generation.sync_weights = sync_weights
     return True
+
+
+class ColocatedVLLMSetup:
+    """Mixin before `trl.GRPOTrainer` in a trainer's bases: its colocated engine loads in the dtype the policy computes
+    in (`vllm_loads_in`) and its weight sync reaches vLLM's CPU backend (`track_repacked_weights`)."""
+
+    def __init__(self, model, reward_funcs=None, args=None, *trainer_args, **trainer_kwargs):
+        with vllm_loads_in(lambda: generation_dtype(self.model, self.args.bf16, self.args.fp16)):
+            super().__init__(model, reward_funcs, args, *trainer_args, **trainer_kwargs)
+        if self.use_vllm and self.args.vllm_mode == "colocate":
+            track_repacked_weights(self.vllm_generation)
 
 
 def close_colocated_vllm(trainer) -> None:
