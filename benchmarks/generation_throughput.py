@@ -133,11 +133,11 @@ def run_child(spec: dict) -> dict:
 def summarise(runs: list[dict], engines: list[str], lengths: list[int]) -> list[dict]:
     """One row per (length, engine): median tokens a second and seconds a generation over runs, and (vLLM) its
     throughput ÷ transformers' paired by repeat."""
+    by_engine = {engine: sorted((r for r in runs if r["engine"] == engine), key=lambda r: r["repeat"])
+                 for engine in engines}
     rows = []
     for length in lengths:
         key = str(length)
-        by_engine = {engine: sorted((r for r in runs if r["engine"] == engine), key=lambda r: r["repeat"])
-                     for engine in engines}
         for engine, results in by_engine.items():
             throughput = [r["lengths"][key]["tokens_per_second"] for r in results]
             row = {"length": length, "engine": engine, "tokens_per_second": statistics.median(throughput),
