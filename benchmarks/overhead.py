@@ -575,8 +575,9 @@ def summarise(runs: list[dict], variants: list[str], memory_runs: list[dict] | N
                                                          long_run_paired("mean_step_seconds"))
                 # what OBLR-PO adds, timed where it runs: free of the drift and step-to-step noise that a ratio of
                 # two whole trainer parts carries, blind to any cost outside the phases
-                phase_ratios = [1 + (long_run + r["mean_weights_seconds"] + r.get("mean_snr_sketch_seconds", 0.0))
-                                / g["mean_trainer_seconds"] for r, g in zip(results, reference, strict=True)]
+                phase_ratios = [1 + sum(long_run if name == "step_kl" else r.get(f"mean_{name}_seconds", 0.0)
+                                        for name in PHASES) / g["mean_trainer_seconds"]
+                                for r, g in zip(results, reference, strict=True)]
                 row |= {"long_run_step_kl_seconds": long_run,
                         "long_run_phase_ratio_mean": statistics.fmean(phase_ratios),
                         "long_run_phase_ratio_ci": bootstrap_ci(phase_ratios),
