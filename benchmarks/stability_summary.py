@@ -19,7 +19,7 @@ import learning  # noqa: E402
 from common import RESULTS, markdown_table, shipped, write_results  # noqa: E402
 from oblr_trl.estimators.snr import CALIBRATION_MIN_T  # noqa: E402
 from stability_figures import (  # noqa: E402
-    Row, cells_row, plot_collapse, plot_rates_used, plot_summary, resolve_row, screen_row,
+    Row, cells_row, compared_row, plot_collapse, plot_rates_used, plot_summary, resolve_row, screen_row,
 )
 from stability_measures import (  # noqa: E402
     COLLAPSE_MARGIN, completion_lengths, defaults_twin, delta_units, grid_summary, median_completion_length,
@@ -377,8 +377,8 @@ def resolve_section(folder: Folder) -> Section | None:
 def compared_studies_section(folder: Folder) -> Section | None:
     """Per study that names a pair to compare (``compare``: with, without), per rate: the paired difference of final
     test accuracy and of AUC with bootstrap 95 % intervals, and the share of the first arm's steps whose SNR factor
-    moved the rate (`paired_by_rate`)."""
-    results, lines = {}, []
+    moved the rate (`paired_by_rate`); and a row of ``summary.png`` per study (`compared_row`)."""
+    results, lines, rows = {}, [], []
     for study in STUDIES.values():
         runs = folder.runs_of(study) if study.compare else []
         by_rate = paired_by_rate(runs, *study.compare, folder.resamples) if runs else {}
@@ -387,6 +387,7 @@ def compared_studies_section(folder: Folder) -> Section | None:
         mine, theirs = study.compare
         config = {**CPU["config"], **folder.problems.config, **runs[0]["config_changes"]}
         completions = config["per_device_train_batch_size"] * config["gradient_accumulation_steps"]
+        rows.append(compared_row(runs, mine, theirs))
         results[study.name] = {"with": mine, "without": theirs, "steps": runs[0]["steps"],
                                "config_changes": runs[0]["config_changes"], "by_rate": by_rate}
         lines += [f"## {study.description[0].upper()}{study.description[1:]} (`{mine}` − `{theirs}`; "
@@ -401,7 +402,7 @@ def compared_studies_section(folder: Folder) -> Section | None:
                                    interval(c["auc_difference_mean"], c["auc_difference_ci"]),
                                    fraction(c["acting_fraction"])]
                                   for rate, c in by_rate.items()]), ""]
-    return Section(lines, {"compared": results}) if results else None
+    return Section(lines, {"compared": results}, rows) if results else None
 
 
 # --- δ and the trust region's runs -----------------------------------------------------------------------------------
@@ -557,7 +558,7 @@ def write_summary(output_dir: Path, problems: ProblemSet, resamples: int) -> Non
         raise SystemExit("nothing has been run yet: run --part synthetic, smollm2 or resolve first")
     rows = [row for section in sections for row in section.rows]
     figure = plot_summary(rows, output_dir) if rows else None
-    markdown = ["# Stability over the configured learning rate\n", "![summary](summary.png)\n",
+    markdown = ["# Stability over the configured learning rate\n", *(["![summary](summary.png)\n"] if figure else []),
                 *(line for section in sections for line in section.markdown)]
     results = {key: value for section in sections for key, value in section.results.items()}
     write_results(output_dir, "summary", results, "\n".join(markdown))

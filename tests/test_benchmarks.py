@@ -879,6 +879,21 @@ def test_the_compared_studys_summary_pairs_with_and_without_per_rate_in_accuracy
     assert cell["auc_difference_ci"] == pytest.approx([0.1, 0.1])
     assert cell["acting_fraction"] == pytest.approx(1 / 6) and cell["with_final_mean"] == pytest.approx(2.2 / 3)
     assert "32 completions, 8 prompts a step" in out and "| 1e-05 | 3 | 0.733 | 0.767 | -0.033" in out
+    assert (tmp_path / "summary.png").stat().st_size > 0 and "![summary](summary.png)" in out
+
+
+def test_a_summary_without_a_figure_links_none(tmp_path, monkeypatch):
+    """A folder whose sections draw nothing writes no ``summary.png``, so its ``summary.md`` must not link one."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import stability_summary
+    from stability_registry import A_PLUS_B
+
+    write_records(tmp_path / "runs", [{"method": "initial", "seed": 0, "learning_rate": 0.0, "split": "test",
+                                       "problems": "a + b", "accuracy": 0.5, "grader": 2}])
+    monkeypatch.setattr(stability_summary, "SECTIONS", (lambda folder: stability_summary.Section(["## a table\n"]),))
+    stability_summary.write_summary(tmp_path, A_PLUS_B, resamples=50)
+    assert "## a table" in (tmp_path / "summary.md").read_text()
+    assert not (tmp_path / "summary.png").exists() and "summary.png" not in (tmp_path / "summary.md").read_text()
 
 
 def test_runs_of_one_method_rate_and_seed_in_two_studies_are_told_apart_by_their_records(tmp_path):
