@@ -17,6 +17,7 @@ from stability_registry import RATE_FOLLOWERS, REFERENCE, ProblemSet  # noqa: E4
 
 Row = Callable[..., None]  # draws one row of ``summary.png`` on its (left, right) axes
 COLLAPSE_SEED = 1  # the seed on which GRPO collapsed at each problem set's `collapse_rate`
+SEED_STYLES = ("-", "--", ":", "-.")  # one line style per seed, where the colour says something else
 
 
 def grid_and_legend(*axes) -> None:
@@ -86,7 +87,7 @@ def compared_row(runs: list[dict], mine: str, theirs: str) -> Row:
         for r in sorted((r for r in runs if r["method"] == mine), key=lambda r: (r["learning_rate"], r["seed"])):
             factors = [1.0 if math.isnan(f) else f for f in r["traces"]["snr/lr_factor"]]  # NaN: not resolved yet
             factor_axis.plot(range(1, len(factors) + 1), factors, color=f"C{rates.index(r['learning_rate'])}",
-                             linestyle=["-", "--", ":", "-."][r["seed"] % 4],  # a colour per rate, a style per seed
+                             linestyle=SEED_STYLES[r["seed"] % len(SEED_STYLES)],
                              alpha=0.8, label=f"lr {r['learning_rate']:g}, seed {r['seed']}")
         for index, rate in enumerate(rates):
             for method, style in ((mine, "-"), (theirs, "--")):
@@ -109,7 +110,7 @@ def screen_row(runs: list[dict]) -> Row:
         rates = sorted({r["learning_rate"] for r in runs})
         for index, seed in enumerate(sorted({r["seed"] for r in runs})):
             mine = sorted((r for r in runs if r["seed"] == seed), key=lambda r: r["learning_rate"])
-            style = ["-", "--", ":", "-."][index % 4]  # one per seed in both panels, a colour per rate on the right
+            style = SEED_STYLES[index % len(SEED_STYLES)]  # a colour per rate on the right
             accuracy_axis.plot([r["learning_rate"] for r in mine], [r["accuracy"] for r in mine], marker="o",
                                color="black", linestyle=style, label=f"seed {seed}")
             for r in mine:  # each run's mean sampled length per step: do the answers shorten as it learns?
