@@ -360,8 +360,8 @@ STUDIES: Mapping[str, Study] = by_name((
           folder="resolve"),
     # the SNR factor as it ships (raise-only) against none at 8 prompts a step (32 completions), where the synthetic
     # testbed saw it act on 2–5 % of the steps. 40 steps: the default calibration window opens after 5 estimates and
-    # holds 20, so the factor acts from step 26 at the earliest (20 steps would leave it nothing to do); 320 prompts a
-    # run, 4× the grid's
+    # holds 20, so it resolves at step 26 at the earliest and the factor acts from step 27 (20 steps would leave it
+    # nothing to do); 320 prompts a run, 4× the grid's
     Study("snr-batch", "snr-batch", "the SNR factor at 8 prompts a step on SmolLM2, with and without",
           seeds=(0, 1, 2, 3, 4), steps=40, rates=lambda problems: (problems.best_rate, 1e-6),
           methods=("oblrpo", SNR_ABLATION_WITHOUT), problems=A_PLUS_B,
