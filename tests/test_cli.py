@@ -1,5 +1,6 @@
-"""The command line: recipes parse with the CLI's parser (no model load), unknown keys fail loudly, `train` runs a
-recipe end to end on a tiny local model, `eval` and `plot` write their outputs."""
+"""The command line: recipes and flags parse with TRL's TrlParser alone (no model load), unknown keys fail loudly with
+the nearest known name, `train` runs a recipe end to end on a tiny local model, `eval` and `plot` write their
+outputs."""
 
 import json
 import subprocess
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from oblr_trl.cli import UsageError, embedded_recipe, installed_trainer_fields, main, parse_train_args
+from oblr_trl.cli import UsageError, embedded_recipe, main, parse_train_args
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted(p for p in (ROOT / "recipes").rglob("*.yaml") if "accelerate_configs" not in p.parts)
@@ -58,18 +59,88 @@ def test_without_config_the_embedded_quickstart_is_used():
     assert (ROOT / "recipes" / "quickstart.yaml").resolve() == embedded_recipe().resolve()
 
 
-def test_unknown_keys_fail_loudly(tmp_path):
+def test_unknown_keys_fail_loudly_with_the_nearest_field_of_the_parser(tmp_path):
     recipe = tmp_path / "bad.yaml"
     recipe.write_text("task: arithmetic\nnot_a_field: 3\nbf16: false\n")
-    with pytest.raises(ValueError, match="not_a_field"):
+    with pytest.raises(UsageError, match="Unknown fields in the recipe: not_a_field"):
         parse_train_args(["--config", str(recipe)])
-    recipe.write_text("task: arithmetic\ngradient_accumulation_steps: 2\nbf16: false\n")
+    # the known names are the real parser's: a ModelConfig field, an OBLR-PO option, a task field
+    recipe.write_text("lora_rr: 8\nlr_trust_region_k: 0.01\ntask_digit: 2\n")
+    with pytest.raises(UsageError, match=r"lora_rr \(did you mean lora_r\?\), lr_trust_region_k \(did you mean "
+                                         r"lr_trust_region_kl\?\), task_digit \(did you mean task_digits\?\)"):
+        parse_train_args(["--config", str(recipe)])
+    recipe.write_text("task: arithmetic\ngradient_accumulation_steps: 2\nbf16: false\nenv:\n  OBLR_TRL_TEST_ENV: 1\n")
     with pytest.raises(UsageError, match="unknown flag --also_not_a_field"):
         parse_train_args(["--config", str(recipe), "--also_not_a_field", "1"])
+    with pytest.raises(UsageError, match="unexpected arguments: stray"):
+        parse_train_args(["--config", str(recipe), "--task", "arithmetic", "stray"])
+    assert parse_train_args(["--config", str(recipe), "--lora_r", "8"])[2].lora_r == 8  # `env` is TRL's own key
+
+
+def test_the_common_fields_of_the_short_help_are_fields_of_the_parser():
+    from oblr_trl.arguments import COMMON_FIELDS
+    from oblr_trl.cli import make_train_parser
+
+    assert set(COMMON_FIELDS) <= {action.dest for action in make_train_parser()._actions}
+
+
+class TrainerBuilt(Exception):
+    """Raised in place of building the trainer: the test reads what `train` would have built it with."""
+
+
+@pytest.fixture
+def trainer_arguments(monkeypatch):
+    """What `oblr-trl train` passes to OBLRPOTrainer, everything before it run as in a real run (no model loads)."""
+    import oblr_trl.training.trainer
+
+    built = {}
+
+    def record(**kwargs):
+        built.update(kwargs)
+        raise TrainerBuilt
+
+    monkeypatch.setattr(oblr_trl.training.trainer, "OBLRPOTrainer", record)
+    return built
+
+
+@pytest.mark.parametrize("spelling", ["None", "none", "null"])
+def test_an_optional_field_takes_none_from_the_command_line_as_trl_reads_it(spelling, tmp_path, trainer_arguments):
+    """README: `--lr_trust_region_kl None` turns the trust region off (TRL's parser reads none/null, any case, as None
+    for an Optional number)."""
+    with pytest.raises(TrainerBuilt):
+        main(["train", "--lr_trust_region_kl", spelling, "--per_sample_batch_size", spelling,
+              "--output_dir", str(tmp_path / "run")])
+    args = trainer_arguments["args"]
+    assert args.lr_trust_region_kl is None and args.per_sample_batch_size is None
+
+
+def test_a_recipe_turns_the_trust_region_off_with_null(tmp_path):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(embedded_recipe().read_text() + "\nlr_trust_region_kl: null\n")
+    assert parse_train_args(["--config", str(recipe)])[1].lr_trust_region_kl is None
+    assert parse_train_args(["--config", str(recipe), "--lr_trust_region_kl", "0.01"])[1].lr_trust_region_kl == 0.01
+
+
+def test_a_list_field_takes_several_values(tmp_path, trainer_arguments):
+    with pytest.raises(TrainerBuilt):
+        main(["train", "--reward_funcs", "accuracy", "format", "--output_dir", str(tmp_path / "run")])
+    assert [f.__name__ for f in trainer_arguments["reward_funcs"]] == ["accuracy_reward", "format_reward"]
+    task_args = parse_train_args(["--reward_funcs", "accuracy", "format", "--max_steps", "2"])[0]
+    assert task_args.reward_funcs == ["accuracy", "format"]
+
+
+def test_booleans_read_as_trl_reads_them():
+    _, training_args, _, _ = parse_train_args(["--use_snr_lr", "no", "--leave_one_out", "0", "--log_step_kl",
+                                               "--no_skip_nonfinite_steps", "--save_on_preemption", "F"])
+    assert (training_args.use_snr_lr, training_args.leave_one_out, training_args.log_step_kl) == (False, False, True)
+    assert (training_args.skip_nonfinite_steps, training_args.save_on_preemption) == (False, False)
+    with pytest.raises(UsageError, match="argument --use_snr_lr.*Truthy value expected: got maybe"):
+        parse_train_args(["--use_snr_lr", "maybe"])
 
 
 def test_bad_values_fail_before_any_model_loads(tmp_path):
-    with pytest.raises(UsageError, match=r"invalid choice: 'gradient' \(choose from 'logit', 'length', 'exact', 'uniform'\)"):
+    with pytest.raises(UsageError, match=r"argument --baseline_weights.*: invalid choice: 'gradient' \(choose from "
+                                         r"'logit', 'length', 'exact', 'uniform'\)"):
         parse_train_args(["--baseline_weights", "gradient"])  # a flag: argparse's choices, without its usage wall
     recipe = tmp_path / "bad.yaml"
     recipe.write_text("gradient_accumulation_steps: 2\nbf16: false\nbaseline_weights: gradient\n")
@@ -82,7 +153,7 @@ def test_train_eval_plot_end_to_end(tmp_path, saved_tiny_model, capsys, monkeypa
     here): trains, writes a model card that names the real base model and no Hub dataset, then eval and plot."""
     import oblr_trl.training.models
 
-    monkeypatch.setattr(oblr_trl.training.models, "resolve_model", lambda name: str(saved_tiny_model))
+    monkeypatch.setattr(oblr_trl.training.models, "resolve_model", lambda name, **kwargs: str(saved_tiny_model))
     run = tmp_path / "run"
     assert main([
         "train", "--model_name_or_path", "builtin:smollm2-135m-instruct", "--output_dir", str(run), "--max_steps", "2",
@@ -314,10 +385,15 @@ MISTAKES = {
     "flag typo": (lambda tmp: ["train", "--learning_rat", "1e-5"], "unknown flag --learning_rat (did you mean --learning_rate?)"),
     "bad choice": (lambda tmp: ["train", "--lr_scheduler_type", "magic"], "invalid choice: 'magic'"),
     "bad OBLR-PO choice": (lambda tmp: ["train", "--snr_estimator", "magic"],
-                           "Invalid value for `snr_estimator`: 'magic'. Allowed values: 'cross_step', 'two_batch'"),
+                           "argument --snr_estimator",
+                           "invalid choice: 'magic' (choose from 'cross_step', 'two_batch'"),
+    "bad OBLR-PO value": (lambda tmp: ["train", "--lr_trust_region_kl", "0"],
+                          "Invalid value for `lr_trust_region_kl`: 0.0. Allowed values: None or a finite float > 0."),
+    "not a number": (lambda tmp: ["train", "--lr_trust_region_kl", "small"],
+                     "argument --lr_trust_region_kl", "invalid float value: 'small'"),
     "unknown task": (lambda tmp: ["train", "--task", "nosuchtask"], "Invalid value for `task`: 'nosuchtask'. Allowed values:"),
     "negative learning rate": (lambda tmp: ["train", "--learning_rate", "-1"],
-                               "Invalid value for `learning_rate`: -1. Allowed values: a finite float >= 0."),
+                               "Invalid value for `learning_rate`: -1.0. Allowed values: a finite float >= 0."),
     "zero batch": (lambda tmp: ["train", "--per_device_train_batch_size", "0"], "`per_device_train_batch_size`: 0"),
     "missing local file": (lambda tmp: ["train", "--task", "local", "--task_path", str(tmp / "none.jsonl")],
                            "`task_path`", "no such file"),
@@ -360,23 +436,15 @@ def _interrupted_run(tmp_path) -> str:
     return str(tmp_path / "interrupted")
 
 
-# the mistakes `train` finds before torch, transformers and TRL are imported
-EARLY_MISTAKES = ["missing --config file", "YAML syntax", "YAML field typo", "flag typo", "bad OBLR-PO choice",
-                  "unknown task", "negative learning rate", "zero batch", "output folder of another run"]
-
-
-def test_train_mistakes_are_answered_before_torch_transformers_or_trl_load(tmp_path):
-    """Each in a fresh interpreter, so that nothing imported by an earlier test hides an import."""
-    script = (
-        "import sys, json\nfrom oblr_trl.cli import main\ncode = main(json.loads(sys.argv[1]))\n"
-        "print('LOADED', [m for m in ('torch', 'transformers', 'trl') if m in sys.modules], code)"
-    )
-    for mistake in EARLY_MISTAKES:
-        argv = MISTAKES[mistake][0](tmp_path)
-        done = subprocess.run([sys.executable, "-c", script, json.dumps(argv)], capture_output=True, text=True,
-                              timeout=120)
-        assert "LOADED [] 2" in done.stdout, (mistake, done.stdout, done.stderr[-2000:])
-        assert all(text in done.stderr for text in MISTAKES[mistake][1:]), (mistake, done.stderr)
+def test_a_bad_value_is_one_line_from_the_installed_command():
+    """`python -m oblr_trl`, as a user runs it: nothing that importing torch, transformers and TRL prints comes
+    before the one line."""
+    done = subprocess.run([sys.executable, "-m", "oblr_trl", "train", "--lr_trust_region_kl", "-1"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and done.stdout == "", done.stdout
+    assert done.stderr.splitlines() == [
+        "oblr-trl: error: Invalid value for `lr_trust_region_kl`: -1.0. Allowed values: None or a finite float > 0."
+    ], done.stderr[-2000:]
 
 
 @pytest.mark.parametrize("command", [["eval", "--model", "m", "--task", "arithmetic", "--max_new_token", "4"],
@@ -387,6 +455,39 @@ def test_eval_and_plot_name_an_unknown_flag_with_the_nearest_one(command, capsys
     nearest = {"eval": "--max_new_tokens", "plot": "--output"}[command[0]]
     assert err == (f"oblr-trl: error: unknown flag {command[-2]} (did you mean {nearest}?); "
                    f"see `oblr-trl {command[0]} --help`")
+
+
+def test_eval_flags_their_defaults_and_the_task_flags_shared_with_training():
+    from dataclasses import fields
+
+    from oblr_trl.arguments import parse_eval_args
+    from oblr_trl.cli import TaskArguments
+
+    args, task_args = parse_eval_args(["--model", "m", "--task", "arithmetic"])
+    assert vars(args) == {"model": "m", "task": "arithmetic", "n": 1, "temperature": 0.0, "top_p": 1.0,
+                          "max_new_tokens": 256, "batch_size": 16, "limit": None, "backend": "auto",
+                          "output_dir": None, "seed": 0}
+    shared = {item.name: item.default for item in fields(TaskArguments)
+              if item.name.startswith("task_") and item.name != "task_limit"}
+    assert vars(task_args) == shared  # the prompt and problems exactly as in training, with training's defaults
+    args, task_args = parse_eval_args([
+        "--model", "m", "--task", "local", "--n", "4", "--temperature", "0.7", "--top_p", "0.9",
+        "--max_new_tokens", "8", "--batch_size", "2", "--limit", "5", "--backend", "transformers", "--output_dir", "out",
+        "--seed", "3",
+        "--task_path", "p.jsonl", "--task_question_field", "q", "--task_digits", "2",
+    ])
+    assert (args.n, args.temperature, args.top_p, args.max_new_tokens, args.batch_size, args.limit, args.backend,
+            args.output_dir, args.seed) == (4, 0.7, 0.9, 8, 2, 5, "transformers", "out", 3)
+    assert (task_args.task_path, task_args.task_question_field, task_args.task_digits) == ("p.jsonl", "q", 2)
+    for argv, message in [
+        ([], "the following arguments are required: --model, --task"),
+        (["--backend", "magic"], "invalid choice: 'magic' (choose from 'auto', 'transformers', 'vllm')"),
+        (["--temperatur", "0.5"], "unknown flag --temperatur (did you mean --temperature?)"),  # no prefix matching
+        (["--task_limit", "3"], "unknown flag --task_limit"),  # eval's is --limit
+    ]:
+        with pytest.raises(UsageError) as refused:
+            parse_eval_args([*(["--model", "m", "--task", "arithmetic"] if argv else []), *argv])
+        assert message in str(refused.value) and "`oblr-trl eval --help`" in str(refused.value)
 
 
 def test_version_and_the_bare_command(capsys):
@@ -420,16 +521,6 @@ def test_a_gpu_recipe_on_a_cpu_says_so_in_one_line(tmp_path, no_model_load, caps
     assert main(["train", "--config", str(recipe), "--bf16", "false", "--use_vllm", "false", "--task", "nosuch",
                  "--output_dir", str(tmp_path / "run")]) == 2  # with both turned off it goes on to the next check
     assert "`task`: 'nosuch'" in capsys.readouterr().err
-
-
-def test_recorded_trainer_fields_are_the_installed_ones():
-    """The early check's record of GRPOConfig/TrainingArguments/ModelConfig names (`oblr_trl/trainer_fields.txt`) is
-    what the real parser accepts with the pinned versions; with others it stands aside."""
-    from oblr_trl import trainer_fields
-
-    recorded = trainer_fields.known_trainer_fields()
-    assert recorded is not None, "installed trl/transformers differ from RECORDED_FOR: scripts/record_trainer_fields.py"
-    assert recorded == installed_trainer_fields()
 
 
 @pytest.mark.parametrize("mistake", list(MISTAKES))

@@ -128,7 +128,7 @@ def test_defaults_quoted_in_prose_are_the_codes(page):
     import dataclasses
 
     from oblr_trl import OBLRPOConfig
-    from oblr_trl.training.step_control import RateRuleTuning
+    from oblr_trl.estimators.step_rate import RateRuleTuning
 
     defaults = {f.name: f.default for cls in (OBLRPOConfig, RateRuleTuning) for f in dataclasses.fields(cls)}
     for pattern, expected in QUOTED_DEFAULTS:

@@ -56,9 +56,10 @@ def test_vllm_samples_in_the_policy_dtype_and_the_weights_reach_it(tmp_path):
 
 
 def test_grpo_and_the_defaults_train_through_the_cli_and_exit_without_a_traceback(tmp_path):
-    done = subprocess.run(["oblr-trl", "train", "--max_steps", "2", "--use_vllm", "true", "--vllm_mode", "colocate",
-                           "--vllm_max_model_length", "256", "--output_dir", str(tmp_path / "cli"), "--report_to",
-                           "none"], capture_output=True, text=True, timeout=1500)
+    # the running interpreter's CLI: `oblr-trl` on PATH is another environment's, or none where it is not activated
+    done = subprocess.run([sys.executable, "-m", "oblr_trl", "train", "--max_steps", "2", "--use_vllm", "true",
+                           "--vllm_mode", "colocate", "--vllm_max_model_length", "256", "--output_dir",
+                           str(tmp_path / "cli"), "--report_to", "none"], capture_output=True, text=True, timeout=1500)
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-5000:]
     state = json.loads((tmp_path / "cli" / "trainer_state.json").read_text())
     assert sum("loss" in h for h in state["log_history"]) == 2

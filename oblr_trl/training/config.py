@@ -11,6 +11,8 @@ from .options import TRAINER_VALUE_RULES, OBLRPOOptions, check_one_of, invalid_v
 
 __all__ = ["OBLRPOConfig", "check_backend", "deepspeed_fp16"]
 
+# The values GRPOTrainer branches on when it computes the first advantages, after the model has loaded and generated;
+# GRPOConfig states them only in its help and refuses none. tests/test_trl_fields.py compares them with TRL's code.
 SCALE_REWARDS = ("none", "group", "batch")
 MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 
@@ -112,14 +114,13 @@ class OBLRPOConfig(OBLRPOOptions, GRPOConfig):  # this base order keeps GRPOConf
             self.activation_checkpointing = True if self.gradient_checkpointing is None else self.gradient_checkpointing
         elif self.gradient_checkpointing is None:
             self.gradient_checkpointing = True
-        scale = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
-        check_one_of("scale_rewards", scale, SCALE_REWARDS)
-        check_one_of("multi_objective_aggregation", self.multi_objective_aggregation, MULTI_OBJECTIVE_AGGREGATIONS)
         self.validate_options()
         self._validate_trainer_values()
         if self.bf16 is None and not self.fp16:
             self.bf16 = bf16_available(self.use_cpu)
-        super().__post_init__()
+        super().__post_init__()  # resolves scale_rewards=True/False to "group"/"none"
+        check_one_of("scale_rewards", self.scale_rewards, SCALE_REWARDS)
+        check_one_of("multi_objective_aggregation", self.multi_objective_aggregation, MULTI_OBJECTIVE_AGGREGATIONS)
         self._validate_batch_layout()
         check_backend(self, fsdp_version=self._announced_fsdp_version(), deepspeed=self.deepspeed is not None,
                       deepspeed_fp16=bool(self.fp16))
@@ -133,7 +134,8 @@ class OBLRPOConfig(OBLRPOOptions, GRPOConfig):  # this base order keeps GRPOConf
         return None
 
     def _validate_trainer_values(self) -> None:
-        """The GRPOConfig/TrainingArguments values that torch or the Trainer would only refuse after the model loads."""
+        """The GRPOConfig/TrainingArguments values that torch, the Trainer or generation would only refuse, or run
+        wrong, after the model loads (`TRAINER_VALUE_RULES`)."""
         for name, allowed, valid in TRAINER_VALUE_RULES:
             value = getattr(self, name)
             if isinstance(value, bool) or not valid(value):

@@ -10,19 +10,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields
 
-from ..estimators.choices import BASELINE_ESTIMATORS, BASELINE_WEIGHTS, SNR_ESTIMATORS, SNR_LR_REFERENCES
+from ..estimators.choices import (
+    BASELINE_ESTIMATORS,
+    BASELINE_WEIGHTS,
+    SNR_ESTIMATORS,
+    SNR_LR_REFERENCES,
+    check_one_of,
+    invalid_value,
+)
 
 __all__ = ["OBLRPOOptions", "OPTION_VALUE_RULES", "SECTIONS", "TRAINER_VALUE_RULES", "check_one_of", "invalid_value",
            "parameters_doc"]
-
-
-def invalid_value(name: str, value, allowed: str) -> ValueError:
-    return ValueError(f"Invalid value for `{name}`: {value!r}. Allowed values: {allowed}.")
-
-
-def check_one_of(name: str, value, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise invalid_value(name, value, ", ".join(repr(c) for c in choices))
 
 
 def _number(value) -> bool:
@@ -33,19 +31,23 @@ def _count(value, least: int) -> bool:
     return isinstance(value, int) and value >= least
 
 
-# (field, allowed values, check): numbers that torch's optimizer, the scheduler or generation would reject later
+# (field, allowed values, check) of the GRPOConfig/TrainingArguments numbers that GRPOConfig takes and that torch's
+# AdamW, the Trainer's step count or schedule, its data loader or generation refuse, or run wrong, only once the model
+# has loaded (tests/test_trl_fields.py shows each late failure and that GRPOConfig takes each value refused here). A
+# check TrainingArguments makes itself is left to it: the sign of warmup_steps.
 TRAINER_VALUE_RULES = (
     ("learning_rate", "a finite float >= 0", lambda v: _number(v) and v >= 0),
     ("weight_decay", "a finite float >= 0", lambda v: _number(v) and v >= 0),
     ("adam_beta1", "a float in [0, 1)", lambda v: _number(v) and 0 <= v < 1),
     ("adam_beta2", "a float in [0, 1)", lambda v: _number(v) and 0 <= v < 1),
     ("adam_epsilon", "a finite float >= 0", lambda v: _number(v) and v >= 0),
-    ("warmup_steps", "a number >= 0", lambda v: _number(v) and v >= 0),
-    ("max_steps", "-1 (train num_train_epochs) or an integer >= 1", lambda v: isinstance(v, int) and (v == -1 or v >= 1)),
+    ("warmup_steps", "a finite number >= 0", _number),
+    ("max_steps", "an integer >= 1, or a negative one (train num_train_epochs)",
+     lambda v: isinstance(v, int) and v != 0),
     ("num_train_epochs", "a finite float > 0", lambda v: _number(v) and v > 0),
-    ("per_device_train_batch_size", "an integer >= 1", lambda v: isinstance(v, int) and v >= 1),
-    ("gradient_accumulation_steps", "an integer >= 1", lambda v: isinstance(v, int) and v >= 1),
-    ("max_completion_length", "an integer >= 1", lambda v: isinstance(v, int) and v >= 1),
+    ("per_device_train_batch_size", "an integer >= 1", lambda v: _count(v, 1)),
+    ("gradient_accumulation_steps", "an integer >= 1", lambda v: _count(v, 1)),
+    ("max_completion_length", "an integer >= 1", lambda v: _count(v, 1)),
     ("temperature", "a finite float > 0", lambda v: _number(v) and v > 0),
     ("top_p", "a float in (0, 1]", lambda v: _number(v) and 0 < v <= 1),
     ("beta", "a finite float >= 0", lambda v: _number(v) and v >= 0),
