@@ -98,8 +98,8 @@ def markdown_table(headers: list[str], rows: list[list]) -> str:
 
 def shipped(field: str):
     """What OBLR-PO ships for ``field``: an option's default or a constant of the rate rule (`RateRuleTuning`)."""
+    from oblr_trl.estimators.step_rate import RateRuleTuning
     from oblr_trl.training.options import OBLRPOOptions
-    from oblr_trl.training.step_control import RateRuleTuning
 
     return getattr(OBLRPOOptions if field in OBLRPOOptions.__dataclass_fields__ else RateRuleTuning, field)
 

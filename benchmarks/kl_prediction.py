@@ -2,14 +2,14 @@
 
 The trust region sizes a step with the KL its smoothed curvature predicts, ĉ·η² (`oblr/step_kl_target`). This replays
 that prediction over runs that measured the KL of every step (`stability.py --part validation --methods
-oblrpo-trust-peak-every1`: validation seeds and split only), for each predictor and measuring cadence, and reports the
-measured ÷ predicted KL of every step with a gradient after the predictor's first reading — 1 is a step that lands
-where it aims — and of the steps the cadence itself would measure (what a run at that cadence can report). The predictors:
+oblrpo-trust-peak-every1`, validation seeds and split only: a settled method, which commit e7f4843 runs; its runs are
+committed), for each predictor and measuring cadence, and reports the measured ÷ predicted KL of every step with a
+gradient after the predictor's first reading — 1 is a step that lands where it aims — and of the steps the cadence
+itself would measure (what a run at that cadence can report). The predictors:
 
-* ``per-rate``: ĉ = EMA of KL/η² (`lr_trust_region_curvature="per_rate"`);
+* ``per-rate``: ĉ = EMA of KL/η² (the reading the runs replayed here ran with, no longer OBLR-PO's);
 * ``per-update``: ĉ = EMA of KL/(η²·ū²), the next step predicted with the last gradient step's ū² (ū² the mean square
-  of Adam's update per unit rate, `oblr/update_rms`²; `lr_trust_region_curvature="per_update"` with the doubling
-  cadence);
+  of Adam's update per unit rate, `oblr/update_rms`²; the trust region's reading, with the doubling cadence);
 * ``per-update (this step's ū²)``: the same with the step's own ū² — what a rule that read Adam's update before the
   step could reach, the bound of the last-step approximation.
 

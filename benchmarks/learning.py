@@ -75,6 +75,11 @@ TRACES = ("learning_rate", "grad_norm", "snr/lr_factor", "snr/bound_factor", "sn
           "oblr/lr", "oblr/update_rms", "oblr/trust_region_rate")
 
 
+# the trust region's form and curvature reading every OBLR-PO run records: OBLR-PO has one of each, the peak form
+# read per unit of Adam's update (the runs of the forms before it record theirs: `recorded_trust_region`)
+TRUST_REGION_FORM = {"lr_trust_region_mode": "peak", "lr_trust_region_curvature": "per_update"}
+
+
 def used_rates(traces: dict) -> list[float]:
     """The rate each step used: `oblr/lr` (`snr/effective_lr` in the runs committed before 2026-12-02, the same value
     under its old name), else the scheduled `learning_rate` (GRPOTrainer uses the rate it schedules)."""
@@ -214,8 +219,8 @@ def run_child(spec: dict) -> dict:
         # how many of a step's completions its KL was measured on (None: all; runs before 2026-11-26 measured all)
         result["lr_trust_region_sample_size"] = getattr(trainer.args, "lr_trust_region_sample_size", None)
         tuning = getattr(trainer, "rate_tuning", None)  # the rate rule's constants the run used (GRPOTrainer: none)
-        for field in ("lr_trust_region_measure_steps", "lr_trust_region_mode", "lr_trust_region_curvature"):
-            result[field] = getattr(tuning, field, None)
+        result["lr_trust_region_measure_steps"] = getattr(tuning, "lr_trust_region_measure_steps", None)
+        result.update({field: None if tuning is None else form for field, form in TRUST_REGION_FORM.items()})
     return result
 
 
@@ -258,19 +263,19 @@ def recorded_trust_region(run: dict) -> tuple[float | None, int | None, str | No
 
 
 def requested_trust_region(spec: dict) -> tuple[float | None, int | None, str | None, str | None]:
-    """The δ, measuring cadence, form and curvature a spec asks for: its overrides, else OBLRPOConfig's defaults;
-    GRPO and the untrained model none."""
+    """The δ and measuring cadence a spec asks for (its overrides, else OBLRPOConfig's defaults) in OBLR-PO's form and
+    curvature reading (`TRUST_REGION_FORM`); GRPO and the untrained model none."""
     if spec.get("overrides") is None:
         return None, None, None, None
     from oblr_trl import OBLRPOConfig
-    from oblr_trl.training.step_control import RateRuleTuning
+    from oblr_trl.estimators.step_rate import RateRuleTuning
 
     overrides = spec["overrides"]
     kl = overrides.get("lr_trust_region_kl", OBLRPOConfig.lr_trust_region_kl)
     if kl is None:
         return None, None, None, None
-    return (kl, *(overrides.get(field, getattr(RateRuleTuning, field)) for field in (
-        "lr_trust_region_measure_steps", "lr_trust_region_mode", "lr_trust_region_curvature")))
+    return (kl, overrides.get("lr_trust_region_measure_steps", RateRuleTuning.lr_trust_region_measure_steps),
+            TRUST_REGION_FORM["lr_trust_region_mode"], TRUST_REGION_FORM["lr_trust_region_curvature"])
 
 
 def current(path: Path, spec: dict) -> bool:
@@ -416,7 +421,7 @@ def main(argv=None):
                           "held_out": paths["test"]} for s in test_seeds], runs_dir, "constant-rate control", jobs)
         methods.append(CONTROL)
 
-    from oblr_trl.training.step_control import RateRuleTuning
+    from oblr_trl.estimators.step_rate import RateRuleTuning
 
     skip = config["warmup_steps"] + RateRuleTuning().resolved_snr_calibration_steps
     summary = summarise(sweep, test, methods, rates, best, args.bootstrap, skip)

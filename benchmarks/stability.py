@@ -16,14 +16,17 @@ over seeds. A rule with lower regret than GRPO loses less when the rate is wrong
 What is run is declared in `stability_registry.py` (methods, problem sets, studies); the summary's sections are
 `stability_summary.py`'s. Each SmolLM2 run is a fresh process whose record, under its results folder's `runs/`, says
 its method, rate, seed, problems, study, steps and config changes; a part resumes from the records it finds
-(``--methods``/``--rates``/``--seeds`` pick a part of it), and every part ends by rewriting the folder's summary.
+(``--methods``/``--rates``/``--seeds`` pick a part of it), and every part ends by rewriting the folder's summary. A
+settled method (the trust region's cap and target forms and its curvature per unit rate: `SETTLED_METHODS`) is
+refused before anything runs, naming the commit that runs it; its committed runs stay in the summaries. The grids of
+a + b, a ± b and a × b and both transfers name settled methods, so they run with ``--methods`` naming the others.
 
 * ``synthetic`` — the testbed of `synthetic_learning.py` (exact gradients, 100 paired seeds, the trainer's own pure
   functions), every method under both schedules (`constant`, and TRL's `linear`), rates 0.1 (GRPO's best) … 3.
 * ``smollm2`` — SmolLM2-135M-Instruct on a problem set's grid (``--problems``: a + b by default, whose grid decides;
   a ± b, a × b, a + b answered step by step), GRPO against the defaults, the defaults without the trust region, the
-  paper-literal factor and the trust region's forms; where a method sets only the defaults, `oblrpo` is not run
-  again and the summary reports that method's runs under its name too. At GRPO's best rate the defaults without the
+  paper-literal factor and the trust region's forms (settled); where a method sets only the defaults, `oblrpo` is not
+  run again and the summary reports that method's runs under its name too. At GRPO's best rate the defaults without the
   SNR factor and the arms calibrated to act give the summary's ``snr_ablation``, paired by seed.
 * ``snr-long`` — the SNR ablation's per-completion arm and the defaults without the factor over 60 steps.
 * ``snr-batch`` — the shipped SNR factor and none at 8 prompts a step (32 completions) on a + b, at GRPO's best rate
@@ -38,17 +41,19 @@ its method, rate, seed, problems, study, steps and config changes; a part resume
 * ``resolve`` — one longer SmolLM2 configuration on a ± b with more prompts a step, in which the calibration of the
   SNR factor resolves, so the factor is seen acting on a real model (its trajectory is plotted).
 
-    python benchmarks/stability.py --part synthetic      # 48 cells of 100 seeds (33 min on 2 busy cores)
-    python benchmarks/stability.py --part smollm2        # a + b: 25 runs a method (7–15 min each), 2 at a time
+    python benchmarks/stability.py --part synthetic      # the runnable methods' cells of 100 seeds, beside the
+                                                         # settled ones' (48 cells: 33 min on 2 busy cores)
+    python benchmarks/stability.py --part smollm2 --methods grpo oblrpo   # a + b: 25 runs a method (7–15 min
+                                                                          # each), 2 at a time
     python benchmarks/stability.py --part delta          # 2 validation runs that choose δ
     python benchmarks/stability.py --part validation --methods M   # M on validation seeds 10, 11 (choosing)
     python benchmarks/stability.py --part snr-long       # the SNR ablation over 60 steps: 20 runs (10-13 min each)
     python benchmarks/stability.py --part snr-batch      # 20 runs of 32 completions × 40 steps (untimed: each
                                                          # does 4× a grid run's completions)
     python benchmarks/stability.py --part transfer-rate  # GRPO's best rate on a × b (0…14), validation seeds
-    python benchmarks/stability.py --part transfer       # 9 runs on a × b and the untrained model
-    python benchmarks/stability.py --part smollm2 --problems a±b   # the a ± b grid (results/stability-a-pm-b/)
-    python benchmarks/stability.py --part smollm2 --problems a×b   # the products' grid (results/stability-products/)
+    python benchmarks/stability.py --part transfer --methods grpo oblrpo   # on a × b, the untrained model beside
+    python benchmarks/stability.py --part smollm2 --problems a±b --methods M   # the a ± b grid (stability-a-pm-b/)
+    python benchmarks/stability.py --part smollm2 --problems a×b --methods M   # the products' (stability-products/)
     python benchmarks/stability.py --part validation --problems a+b-reasoned --methods grpo   # long answers: GRPO's
                                                                  # rate screen (results/stability-long/)
     python benchmarks/stability.py --part resolve        # 3 longer runs on a ± b (16 completions × 60 steps)
@@ -63,6 +68,7 @@ import json
 import os
 import sys
 import tempfile
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,8 +78,8 @@ import synthetic_learning as synthetic  # noqa: E402
 from common import RESULTS, parse_overrides  # noqa: E402
 from stability_measures import grid_methods  # noqa: E402
 from stability_registry import (  # noqa: E402
-    CPU, PROBLEM_SETS, SMOLLM2_METHODS, STUDIES, SYNTHETIC_METHODS, SYNTHETIC_RATES, ProblemSet, Study,
-    results_folder,
+    CPU, PROBLEM_SETS, SETTLED_METHODS, SETTLED_SYNTHETIC_METHODS, SMOLLM2_METHODS, STUDIES, SYNTHETIC_METHODS,
+    SYNTHETIC_RATES, ProblemSet, Settled, Study, results_folder,
 )
 from stability_summary import write_summary  # noqa: E402
 
@@ -87,7 +93,7 @@ def parse_args(argv=None):
                         help="; ".join(f"{part}: {study.description}" for part, study in STUDIES.items()))
     parser.add_argument("--methods", nargs="+", default=None,
                         help="methods of the part (default: all of the synthetic ones; on SmolLM2 the part's, for a "
-                        "grid GRPO, the defaults, the paper-literal factor and the trust region's forms)")
+                        "grid GRPO, the defaults, the paper-literal factor and the trust region's forms, settled)")
     parser.add_argument("--rates", type=float, nargs="+", default=None, help="the grid (default: the part's)")
     parser.add_argument("--seeds", type=int, nargs="+", default=None, help="SmolLM2 seeds (default: the part's)")
     parser.add_argument("--test_seeds", type=int, default=100, help="synthetic: paired seeds")
@@ -120,8 +126,19 @@ def parse_args(argv=None):
     return args
 
 
+def refuse_settled(names: Iterable[str], settled: Mapping[str, Settled]) -> None:
+    """Stop before anything runs where ``names`` holds a settled method, in one line naming the commit that runs it."""
+    found = [settled[name] for name in names if name in settled]
+    if found:
+        raise SystemExit(f"{', '.join(m.name for m in found)}: settled, their runs committed and reported; HEAD no "
+                         f"longer runs them, commit {', '.join(sorted({m.commit for m in found}))} does (give "
+                         "--methods without them to run the others)")
+
+
 # --- synthetic part --------------------------------------------------------------------------------------------------
 def run_synthetic(args) -> dict:
+    names = args.methods or list(SYNTHETIC_METHODS)
+    refuse_settled(names, SETTLED_SYNTHETIC_METHODS)
     import torch
     from tqdm.auto import tqdm
 
@@ -130,7 +147,6 @@ def run_synthetic(args) -> dict:
     teacher, held_out, held_out_targets = synthetic.problem(task)
     seeds = list(range(1000, 1000 + args.test_seeds))
     rates = args.rates or list(SYNTHETIC_RATES)
-    names = args.methods or list(SYNTHETIC_METHODS)
     cells, curves = {}, {}
     variants = [(name, schedule) for name in names for schedule in ("linear", "constant")]
     with tqdm(total=len(variants) * len(rates), desc="synthetic grid (method × schedule × rate)") as bar:
@@ -182,12 +198,14 @@ class Plan:
 
 
 def plan(study: Study, args) -> Plan:
-    """The study on ``--problems`` (or its own problem set, or the transfer task), narrowed by the options."""
+    """The study on ``--problems`` (or its own problem set, or the transfer task), narrowed by the options; a settled
+    method among its methods stops it (`refuse_settled`)."""
     source = study.problems or PROBLEM_SETS[args.problems]
     problems, folder = source, Path(args.output_dir) / "runs" / study.folder
     if study.on_transfer:
         problems, folder = source.transfer.task, folder / source.transfer.runs
     methods = args.methods or study.methods or (source.transfer.methods if study.on_transfer else source.methods)
+    refuse_settled(methods, SETTLED_METHODS)
     return Plan(study, problems, tuple(grid_methods(list(methods), problems)),
                 tuple(args.rates or study.rates(source)), tuple(args.seeds or study.seeds), args.steps or study.steps,
                 folder)

@@ -1,6 +1,7 @@
 """The stability benchmark's records, each declared once and read-only: the methods it runs (on SmolLM2 and on the
 synthetic testbed), the problem sets it runs them on, and the studies (`stability.py --part …`) that choose a problem
-set's methods, rates, seeds, steps and config. `stability.py` runs them, `stability_summary.py` reports them.
+set's methods, rates, seeds, steps and config. `stability.py` runs them, `stability_summary.py` reports them. A
+method whose runs are committed and which HEAD no longer runs is `Settled`, naming the commit that runs it.
 
 A new task is one `ProblemSet` in `PROBLEM_SETS` (its own results folder, its grid, its δ); a new set of runs one
 `Study` in `STUDIES` (its part, seeds, steps and config changes, recorded on every run it makes); with ``compare``
@@ -70,24 +71,18 @@ class Method:
                 for key, value in self.overrides.items()}
 
 
-def trust_region(form: str, every: int, curvature: str = "per_rate", delta: float | Delta = Delta.OF_PROBLEM_SET,
-                 **others: Any) -> dict:
-    """The trust region of the step in ``form``, measuring every ``every``-th step's KL, reading the curvature as
-    ``curvature`` says. Per unit rate unless told: the methods named before the curvature could be read per unit of
-    Adam's update read it so, and their names keep meaning what their runs ran."""
-    return {**others, "lr_trust_region_kl": delta, "lr_trust_region_mode": form,
-            "lr_trust_region_measure_steps": every, "lr_trust_region_curvature": curvature}
+def trust_region(every: int, delta: float | Delta = Delta.OF_PROBLEM_SET) -> dict:
+    """The trust region at δ = ``delta``, measuring every ``every``-th step's KL: the peak form reading the curvature
+    per unit of Adam's update, the one OBLR-PO has (the methods of the forms before it are `SETTLED_METHODS`)."""
+    return {"lr_trust_region_kl": delta, "lr_trust_region_measure_steps": every}
 
 
 NO_TRUST_REGION = {"lr_trust_region_kl": None}
-# GRPO's advantage from OBLR-PO's pieces: the whole-group mean with std scaling, no SNR factor
-GRPO_AS_OBLRPO = {"baseline_weights": "uniform", "baseline_estimator": "weighted", "leave_one_out": False,
-                  "use_snr_lr": False}
 # the peak form per update at the median of the validation runs' per-step KL scaled to the schedule's peak (a + b),
 # rather than the cap's 90th percentile: what ships
 PEAK_DELTA = 0.005
 PEAK_DELTA_METHOD = "oblrpo-trust-peak-update-every16-kl0.005"
-DEFAULTS_TRUST_REGION = trust_region("peak", 16, "per_update", PEAK_DELTA)
+DEFAULTS_TRUST_REGION = trust_region(16, PEAK_DELTA)
 # the SNR factor calibrated to act on more of a 40-step run: the default 20-step window rarely resolves with 2 prompts
 # a step, and its ratio floor of 1 ignores the SNR falling through training
 SNR_CALIBRATED = {**DEFAULTS_TRUST_REGION, "snr_lr_min_ratio": 0.5, "snr_calibration_steps": 5}
@@ -108,23 +103,6 @@ SMOLLM2_METHODS: Mapping[str, Method] = by_name((
            "the paper-literal factor (the configured rate is η_max), reacting from the first step"),
     Method("oblrpo-kl", {**NO_TRUST_REGION, "log_step_kl": True},
            "the defaults without the trust region, measuring every step's KL: the runs δ is read off"),
-    Method("oblrpo-trust-cap", trust_region("cap", 1), "the cap on OBLR-PO's advantages, every step measured"),
-    Method("grpo-trust-cap", trust_region("cap", 1, **GRPO_AS_OBLRPO), "the cap on GRPO's advantages"),
-    Method("oblrpo-trust-target", trust_region("target", 1), "the target form, every step measured"),
-    Method("grpo-trust-target", trust_region("target", 1, **GRPO_AS_OBLRPO), "the target form on GRPO's advantages"),
-    Method("oblrpo-trust-cap-every4", trust_region("cap", 4), "the cap measuring every 4th step"),
-    Method("oblrpo-trust-cap-every8", trust_region("cap", 8), "the cap measuring every 8th step"),
-    Method("oblrpo-trust-target-every8", trust_region("target", 8), "the target form measuring every 8th step"),
-    Method("grpo-trust-cap-every8", trust_region("cap", 8, **GRPO_AS_OBLRPO),
-           "the cap on GRPO's advantages, every 8th step: what OBLR-PO adds on top of the trust region"),
-    Method("grpo-trust-target-every8", trust_region("target", 8, **GRPO_AS_OBLRPO),
-           "the target form on GRPO's advantages, every 8th step"),
-    Method("oblrpo-trust-target-every16", trust_region("target", 16),
-           "the target form measuring every 16th step: half the measuring forwards of every 8th"),
-    Method("oblrpo-trust-peak-every16", trust_region("peak", 16),
-           "the peak form (η̂_max measured, the schedule and the SNR factor shaping every step), every 16th step"),
-    Method("oblrpo-trust-peak-every1", trust_region("peak", 1),
-           "the peak form measuring every step: each step's KL beside its aim, to replay predictors on"),
     Method(PEAK_DELTA_METHOD, DEFAULTS_TRUST_REGION,
            f"the peak form per unit of Adam's update at δ = {PEAK_DELTA:g}: the shipped defaults"),
     Method(SNR_ABLATION_WITHOUT, {**DEFAULTS_TRUST_REGION, "use_snr_lr": False},
@@ -135,10 +113,47 @@ SMOLLM2_METHODS: Mapping[str, Method] = by_name((
            "as the 5-step calibration, a step's completions the estimate's samples (its prompts are too few)"),
     Method("oblrpo-defaults-snr-two-sided-cal2", {**SNR_CALIBRATED, "snr_calibration_steps": 2},
            "as the 5-step calibration, over the shortest window"),
-    Method("oblrpo-trust-peak-update-every16", trust_region("peak", 16, "per_update"),
+    Method("oblrpo-trust-peak-update-every16", trust_region(16),
            "the peak form per unit of Adam's update at the problem set's δ (the cap's)"),
-    Method("oblrpo-trust-target-update-every16", trust_region("target", 16, "per_update"),
-           "the target form per unit of Adam's update"),
+))
+
+
+# --- settled methods -------------------------------------------------------------------------------------------------
+# the last commit with the trust region's cap and target forms and its curvature read per unit rate (KL/η²): it runs
+# the methods that used them
+RETIRED_FORMS_COMMIT = "e7f4843"
+
+
+@dataclass(frozen=True)
+class Settled:
+    """A method HEAD no longer runs: its runs are committed, the summaries report them, and ``commit`` runs it again
+    (`stability.py` refuses it at once, naming the commit)."""
+
+    name: str
+    description: str  # what it ran, as its run records' overrides say
+    commit: str = RETIRED_FORMS_COMMIT
+
+
+# each at the problem set's δ and reading the curvature per unit rate unless its description says otherwise; on GRPO's
+# advantages: OBLR-PO's pieces with uniform weights, the whole group's mean, std scaling and no SNR factor
+SETTLED_METHODS: Mapping[str, Settled] = by_name((
+    Settled("oblrpo-trust-cap", "the cap on OBLR-PO's advantages, every step measured"),
+    Settled("grpo-trust-cap", "the cap on GRPO's advantages, every step measured"),
+    Settled("oblrpo-trust-target", "the target form, every step measured"),
+    Settled("grpo-trust-target", "the target form on GRPO's advantages, every step measured"),
+    Settled("oblrpo-trust-cap-every4", "the cap measuring every 4th step"),
+    Settled("oblrpo-trust-cap-every8", "the cap measuring every 8th step"),
+    Settled("oblrpo-trust-target-every8", "the target form measuring every 8th step"),
+    Settled("grpo-trust-cap-every8",
+            "the cap on GRPO's advantages, every 8th step: what OBLR-PO adds on top of the trust region"),
+    Settled("grpo-trust-target-every8", "the target form on GRPO's advantages, every 8th step"),
+    Settled("oblrpo-trust-target-every16",
+            "the target form measuring every 16th step: half the measuring forwards of every 8th"),
+    Settled("oblrpo-trust-peak-every16",
+            "the peak form (η̂_max measured, the schedule and the SNR factor shaping every step), every 16th step"),
+    Settled("oblrpo-trust-peak-every1",
+            "the peak form measuring every step: each step's KL beside its aim, to replay predictors on"),
+    Settled("oblrpo-trust-target-update-every16", "the target form per unit of Adam's update, every 16th step"),
 ))
 # the trust region's forms side by side in the summary, paired by seed (first minus second): the target against the
 # cap at the same cadence, each against GRPO, the same trust region on GRPO's advantages, the cheaper cadences against
@@ -158,7 +173,7 @@ RATE_FOLLOWERS = ("oblrpo-trust-cap", "oblrpo-trust-target", "grpo-trust-cap", "
 # these arms, each against `SNR_ABLATION_WITHOUT`
 SNR_ABLATION_ARMS = ("oblrpo-defaults-snr-two-sided-cal5", "oblrpo-defaults-snr-two-sided-cal5-per-sample",
                      "oblrpo-defaults-snr-two-sided-cal2")
-# a grid's methods unless its problem set names its own
+# a grid's methods unless its problem set names its own; settled ones among them, so a grid runs with `--methods`
 GRID_METHODS = (REFERENCE, "oblrpo", "oblrpo-no-trust", "oblrpo-paper", "grpo-trust-cap", "grpo-trust-target",
                 "oblrpo-trust-cap", "oblrpo-trust-cap-every4", "oblrpo-trust-cap-every8", "oblrpo-trust-target",
                 "oblrpo-trust-target-every8", "grpo-trust-cap-every8", "grpo-trust-target-every8",
@@ -269,13 +284,12 @@ SYNTHETIC_METHODS: Mapping[str, synthetic.Method] = MappingProxyType({
                                description="calibrated factor, ratio in [0.25, 1]: never raises the rate"),
     "oblrpo-absolute": replace(DEFAULT, rate={"lr_trust_region_kl": None, "snr_lr_reference": "absolute"},
                                description="the paper-literal factor (the rate is η_max)"),
-    # a + b's δ, unchanged, on the testbed: what the trust region costs where the rate is right
-    **{f"oblrpo-trust-{form}": replace(
-        DEFAULT, rate={**DEFAULT.rate, "lr_trust_region_kl": A_PLUS_B.trust_region_kl, "lr_trust_region_mode": form,
-                       "lr_trust_region_curvature": "per_rate", "lr_trust_region_measure_steps": 1},
-        description=f"the defaults with the trust region of the step, {form} form, "
-        f"δ = {A_PLUS_B.trust_region_kl:g} (a + b's)") for form in ("cap", "target")},
 })
+# a + b's δ, unchanged, on the testbed: what the trust region costs where the rate is right
+SETTLED_SYNTHETIC_METHODS: Mapping[str, Settled] = by_name(
+    Settled(f"oblrpo-trust-{form}", f"the defaults with the trust region of the step, {form} form, every step "
+            f"measured, the curvature per unit rate, δ = {A_PLUS_B.trust_region_kl:g} (a + b's)")
+    for form in ("cap", "target"))
 SYNTHETIC_RATES = (0.1, 0.3, 1.0, 3.0)  # GRPO's best rate on the testbed up to 30× it
 
 

@@ -520,7 +520,7 @@ def synthetic_defaults_line() -> str:
         return ""
     twin = next((name for name, m in SYNTHETIC_METHODS.items() if m.runs_shipped_rate), None)
     return (f"Here `oblrpo` is OBLR-PO's defaults without the trust region (before 2026-11-26); today's defaults "
-            f"(δ = {shipped('lr_trust_region_kl'):g}, {shipped('lr_trust_region_mode')}) are "
+            f"(δ = {shipped('lr_trust_region_kl'):g}, peak) are "
             + (f"`{twin}`" if twin else "none of this grid's methods (the testbed's `defaults` arm runs them: "
                "`synthetic_learning.py`)") + ".\n")
 

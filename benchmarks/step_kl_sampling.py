@@ -6,12 +6,12 @@ full one. Whether that is precise enough depends on how the step's KL spreads ov
 trains with the defaults, records every completion's KL (Σ_t k3 over its tokens, and its token count) at every step,
 and replays the sampled estimator — Σ_S KL_i / Σ_S T_i over n completions drawn uniformly without replacement, as the
 trainer computes it — against the full measurement of the same step: the ratio estimate/full per draw (its relative
-RMSE, median, 10th and 90th percentiles) and what it does to the rate the cap sets (∝ KL^-1/2 for one step). It also
-reports how concentrated the KL is (the largest completion's share of its step), the correlation of a completion's
-KL with what is known of it before the forward (|advantage|, length, its log-likelihood), which says whether drawing
-completions by such a proxy instead of uniformly could help, and — for the other way to measure less, every k-th step
-— how far the curvature KL/lr² moves between steps and how well the rule's moving average (decay 0.5) of the steps
-measured every k-th step predicts the next step's curvature.
+RMSE, median, 10th and 90th percentiles) and what it does to the rate the trust region sets from one reading
+(∝ KL^-1/2). It also reports how concentrated the KL is (the largest completion's share of its step), the correlation
+of a completion's KL with what is known of it before the forward (|advantage|, length, its log-likelihood), which says
+whether drawing completions by such a proxy instead of uniformly could help, and — for the other way to measure less,
+every k-th step — how far the curvature KL/lr² moves between steps and how well the rule's moving average (decay 0.5)
+of the steps measured every k-th step predicts the next step's curvature.
 
     python benchmarks/step_kl_sampling.py                      # the overhead benchmark's CPU preset, 30 steps
 """
@@ -127,7 +127,7 @@ def replay(steps: list[list[dict]], size: int, draws: int, seed: int) -> dict:
             drawn = torch.randperm(len(rows), generator=generator)[:size]
             ratios.append(float(kl[drawn].sum() / tokens[drawn].sum() / full))
     values = torch.tensor(ratios, dtype=torch.float64)
-    rate = values.rsqrt()  # the cap's rate for one step scales as KL^-1/2
+    rate = values.rsqrt()  # the trust region's rate from one reading scales as KL^-1/2
     return {"sample_size": size, "completions_per_step": len(steps[0]), "relative_rmse": float((values - 1).square().mean().sqrt()),
             "median_ratio": float(values.median()), "p10_ratio": float(values.quantile(0.1)),
             "p90_ratio": float(values.quantile(0.9)), "rate_p10": float(rate.quantile(0.1)),
@@ -179,7 +179,7 @@ def main(argv=None):
         f"{len(steps)} measured steps; each sample size replayed {args.draws} times per step against the step's full "
         "measurement.\n\n"
         + markdown_table(["sample", "relative RMSE", "median ÷ full", "10 % ÷ full", "90 % ÷ full",
-                          "cap's rate ÷ full's, 10–90 %"],
+                          "trust region's rate ÷ full's, 10–90 %"],
                          [[f"{r['sample_size']} of {r['completions_per_step']}", r["relative_rmse"], r["median_ratio"],
                            r["p10_ratio"], r["p90_ratio"], f"{r['rate_p10']:.2f}–{r['rate_p90']:.2f}"] for r in replays])
         + f"\n\nThe largest completion holds {statistics.median(shares):.0%} of its step's KL (median over steps; "

@@ -16,13 +16,14 @@ so the `logit` weight Σ_t ‖e_{y_t} − p_t‖² is the exact squared gradient
 which a group's baseline does not see.
 
 Every method uses TRL's default `dapo` loss (token sum over the batch's tokens), Adam (0.9, 0.999), no clipping, n
-prompts × G completions per step. Its learning rate is the trainer's own rule (`estimators.step_rate.StepRateRule`, built
-by `training.step_control.step_rate_rule` from `OBLRPOOptions` fields): the `defaults` arm runs exactly what ships — the
-trust region measuring the peak rate (its KL every 16th step with a gradient, per unit of Adam's update), the
-calibrated SNR factor — on a constant schedule (or TRL's linear decay, `schedule`). The KL of a measured step is taken
-on all of its completions' tokens (the trainer samples 8 completions). A method's learning rate is chosen on validation seeds (highest
-mean area under the held-out curve) from a log-spaced grid; the comparison then runs on fresh test seeds, paired
-(same initial parameters and prompts per seed), with bootstrap 95 % intervals of the paired differences.
+prompts × G completions per step. Its learning rate is the trainer's own rule (`estimators.step_rate.StepRateRule`,
+built by `estimators.step_rate.step_rate_rule` from the rule's options and constants), driven through each step as the
+trainer drives it: the `defaults` arm runs exactly what ships — the trust region measuring the peak rate (its KL every
+16th step with a gradient, per unit of Adam's update), the calibrated SNR factor — on a constant schedule (or TRL's
+linear decay, `schedule`). The KL of a measured step is taken on all of its completions' tokens (the trainer samples 8
+completions). A method's learning rate is chosen on validation seeds (highest mean area under the held-out curve) from
+a log-spaced grid; the comparison then runs on fresh test seeds, paired (same initial parameters and prompts per seed),
+with bootstrap 95 % intervals of the paired differences.
 
     python benchmarks/synthetic_learning.py                  # 20 validation + 100 test seeds, 16 min on 2 busy cores
 """
@@ -32,7 +33,9 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import dataclass, field
+from functools import cached_property, partial
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -44,13 +47,13 @@ from common import (  # noqa: E402
 from oblr_trl.estimators.advantages import gradient_weighted_advantages  # noqa: E402
 from oblr_trl.estimators.baselines import PooledSlope  # noqa: E402
 from oblr_trl.estimators.snr import cross_step_noise_estimate  # noqa: E402
-from oblr_trl.estimators.step_rate import StepRateRule  # noqa: E402
+from oblr_trl.estimators.step_rate import (  # noqa: E402
+    RATE_RULE_OPTIONS, RateRuleTuning, StepRateRule, step_rate_rule,
+)
 from oblr_trl.estimators.trust_region import sampled_token_kl  # noqa: E402
 from oblr_trl.estimators.weights import length_weights, logit_gradient_sq_norms, uniform_weights  # noqa: E402
-from oblr_trl.training.options import OBLRPOOptions  # noqa: E402
-from oblr_trl.training.step_control import RateRuleTuning, step_rate_rule  # noqa: E402
 
-# the rate rules, as `OBLRPOOptions` fields over the shipped defaults ({} is what ships)
+# the rate rules, as options of the rule (`RATE_RULE_OPTIONS`) over the shipped defaults ({} is what ships)
 CONSTANT_RATE = {"use_snr_lr": False, "lr_trust_region_kl": None}  # the scheduled rate, as TRL's GRPO
 
 
@@ -66,16 +69,20 @@ class Method:
     weights: str  # "logit", "length" or "uniform"
     leave_one_out: bool
     scale_rewards: str  # "none" or "group"
-    rate: dict = field(default_factory=lambda: dict(CONSTANT_RATE))  # `OBLRPOOptions` and `RateRuleTuning` fields
+    rate: dict = field(default_factory=lambda: dict(CONSTANT_RATE))  # `RATE_RULE_OPTIONS` and `RateRuleTuning` fields
     estimator: str = "weighted"  # the estimate of b* (OBLRPOConfig.baseline_estimator); "weighted" for the others
     description: str = ""
 
     def rate_rule(self) -> StepRateRule:
-        """A fresh rate rule, the trainer's (`step_rate_rule`) with this method's options and constants."""
-        tuning, fields = RateRuleTuning.split(self.rate)
-        options = OBLRPOOptions(**fields)
-        options.validate_options()
-        return step_rate_rule(options, tuning)
+        """A fresh rate rule, the trainer's (`step_rate_rule`) with this method's options (the shipped ones where not
+        set) and constants; a setting that is neither is refused by name."""
+        tuning, options = RateRuleTuning.split(self.rate)
+        unknown = sorted(set(options) - set(RATE_RULE_OPTIONS))
+        if unknown:
+            raise ValueError(f"{unknown} are neither options of the rate rule {RATE_RULE_OPTIONS} nor its constants "
+                             "(`RateRuleTuning`).")
+        options = {name: options.get(name, shipped(name)) for name in RATE_RULE_OPTIONS}
+        return step_rate_rule(SimpleNamespace(**options), tuning)
 
     @property
     def runs_shipped_rate(self) -> bool:
@@ -154,6 +161,35 @@ def problem(task: Task) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return teacher, held_out, teacher_targets(task, held_out, teacher)
 
 
+class TakenStep:
+    """What the rate rules may ask of the step just taken (`StepRateRule.end_step`), computed for every seed at the
+    first request: the KL(π_t ‖ π_t+1) of a seed's step on its own completions' tokens, and the mean square of Adam's
+    update per unit rate, m̂ / (√v̂ + ε)."""
+
+    def __init__(self, params: torch.Tensor, x: torch.Tensor, tokens: torch.Tensor, token_log_p: torch.Tensor,
+                 mask: torch.Tensor, exp_avg: torch.Tensor, bias_correction: float, denom: torch.Tensor):
+        self.params, self.x, self.tokens, self.token_log_p, self.mask = params, x, tokens, token_log_p, mask
+        self.exp_avg, self.bias_correction, self.denom = exp_avg, bias_correction, denom
+
+    @cached_property
+    def new_token_log_p(self) -> torch.Tensor:
+        return completion_log_probs(torch.log_softmax(torch.einsum("stvd,snd->sntv", self.params, self.x), -1),
+                                    self.tokens)
+
+    @cached_property
+    def update_mean_squares(self) -> list[float]:
+        return (self.exp_avg / self.bias_correction / self.denom).pow(2).mean((1, 2, 3)).tolist()
+
+    def kl(self, seed: int, measure: bool) -> float | None:
+        if not measure:
+            return None
+        total, count = sampled_token_kl(self.new_token_log_p[seed], self.token_log_p[seed], self.mask[seed])
+        return float(total / count)
+
+    def update_mean_square(self, seed: int) -> float:
+        return self.update_mean_squares[seed]
+
+
 SCHEDULES = ("constant", "linear")  # "linear": TRL's default, the rate decays linearly to 0 over the run, no warm-up
 
 
@@ -169,8 +205,8 @@ def run(method: Method, lrs: torch.Tensor, seeds: list[int], task: Task, teacher
     exp_avg, exp_avg_sq = torch.zeros_like(params), torch.zeros_like(params)
     prompt_gens = [torch.Generator().manual_seed(10_000 + seed) for seed in seeds]
     sample_gen = torch.Generator().manual_seed(20_000 + seeds[0])
-    # the trainer's rate rule, one per seed, fed as `OptimizerStepControl` feeds it (no learning-rate warm-up here,
-    # so the calibration window opens after `snr_warmup_steps`)
+    # the trainer's rate rule, one per seed, driven through each step as `OptimizerStepControl` drives it (no
+    # learning-rate warm-up here, so the calibration window opens after `snr_warmup_steps`)
     rules = [method.rate_rule() for _ in seeds]
     previous_grad = None
     slopes = [PooledSlope(0.9) for _ in seeds]  # the trainer's POOLED_SLOPE_DECAY
@@ -226,34 +262,24 @@ def run(method: Method, lrs: torch.Tensor, seeds: list[int], task: Task, teacher
         sq = flat.pow(2).sum(-1)
         grad_norms = sq.sqrt().tolist()
         factors = torch.tensor([rule.note_grad_norm(norm) for rule, norm in zip(rules, grad_norms, strict=True)])
-        if rules[0].snr is not None:  # the step's noise sizes the next step's factor
+        if method.has_snr_factor:  # the step's noise sizes the next step's factor
             dots = (flat * previous_grad).sum(-1).tolist() if previous_grad is not None else [None] * S
             for rule, s_q, dot in zip(rules, sq.tolist(), dots, strict=True):
                 rule.observe_noise(None if dot is None else cross_step_noise_estimate(s_q, dot, n), n)
             previous_grad = flat
         lr = scheduled * factors
         lr_trace.append(lr)
-        factor_trace.append(torch.tensor([rule.snr_part for rule in rules]))
         with torch.no_grad():  # Adam, one learning rate per seed
             t = step + 1
             exp_avg.mul_(0.9).add_(grad, alpha=0.1)
             exp_avg_sq.mul_(0.999).addcmul_(grad, grad, value=0.001)
             denom = (exp_avg_sq / (1 - 0.999**t)).sqrt_().add_(1e-8)
             params.sub_(lr.view(S, 1, 1, 1) * (exp_avg / (1 - 0.9**t)) / denom)
-            due = [rule.measurements_due(rate, norm) for rule, rate, norm in zip(rules, lr.tolist(), grad_norms,
-                                                                                 strict=True)]
-            new_token_log_p = completion_log_probs(  # KL(π_t ‖ π_t+1) on the step's own tokens
-                torch.log_softmax(torch.einsum("stvd,snd->sntv", params, x), -1), tokens
-            ) if any(d.kl for d in due) else None
-            update_mean_square = (  # of Adam's update per unit rate, m̂ / (√v̂ + ε)
-                (exp_avg / (1 - 0.9**t) / denom).pow(2).mean((1, 2, 3)).tolist() if any(d.update_size for d in due)
-                else [None] * S)
-            for s, (rule, wanted) in enumerate(zip(rules, due, strict=True)):
-                kl = None
-                if wanted.kl:
-                    total, count = sampled_token_kl(new_token_log_p[s], token_log_p[s].detach(), mask[s])
-                    kl = float(total / count)
-                rule.observe_step(float(lr[s]), grad_norms[s], kl, update_mean_square[s] if wanted.update_size else None)
+            taken = TakenStep(params, x, tokens, token_log_p.detach(), mask, exp_avg, 1 - 0.9**t, denom)
+            records = [rule.end_step(float(lr[s]), step_kl=partial(taken.kl, s),
+                                     update_mean_square=partial(taken.update_mean_square, s))
+                       for s, rule in enumerate(rules)]
+        factor_trace.append(torch.tensor([1.0 if r.snr_factor is None else r.snr_factor for r in records]))
 
     curve = torch.stack(curve, 1)  # (S, evals)
     lr_trace = torch.stack(lr_trace, 1)  # (S, steps)

@@ -107,7 +107,7 @@ def allow_fsdp_on_cpu() -> None:
 def with_rate_tuning(trainer_cls: type, settings: dict) -> tuple[type, dict]:
     """``settings`` (config fields and constants of the rate rule, `RateRuleTuning`'s fields, mixed) as the trainer
     class whose `rate_tuning` holds those constants and the config fields left: ``(trainer_cls, config fields)``."""
-    from .training.step_control import RateRuleTuning
+    from .estimators.step_rate import RateRuleTuning
 
     tuning, config = RateRuleTuning.split(settings)
     if tuning == trainer_cls.rate_tuning:

@@ -3,17 +3,19 @@
     accelerate launch --config_file recipes/accelerate_configs/zero3.yaml --num_processes 1 tests/backend_worker.py OUT
     FSDP2=1 torchrun --nproc_per_node 2 tests/backend_worker.py OUT      # 2 CPU processes, FSDP2 on gloo
 
-The SNR factor is read as 'absolute' (the paper's, in [snr_lr_floor, 1]) so that it acts within the run's 4 steps; the
-default calibrated reference stays at 1 until its window of 20 steps resolves. Everything else is the defaults,
-the trust region's peak form included.
+What it changes from what ships, so that the SNR factor acts within the run's 4 steps: the factor read as 'absolute'
+(the paper's, in [snr_lr_floor, 1]; the shipped calibrated reference stays at 1 until its window of 20 steps
+resolves), from the first estimate (`snr_warmup_steps=0`), unsmoothed (`snr_ema_decay=0`). Everything else is the
+defaults, the trust region's peak form per Adam update and its measuring cadence included (the equivalence matrix,
+`tests/conftest.py::BACKEND_MATRIX`, runs the calibrated reference).
 
 Records, for every call of the innermost torch optimizer's `step` (DeepSpeed's ZeRO optimizers call it once per
 param group), the learning rate it actually used (read by a step pre-hook registered after the trainer's), the
-scheduled rate, the factor the trainer applied and its two parts (SNR and trust region), and whether the
-parameters that optimizer holds (gathered from ZeRO-3's partitions, FSDP2's shards) changed and stayed finite. Rank 0
-writes them to OUT as JSON. With FSDP2=1 the worker asks the Trainer for FSDP2 itself (what the shipped fsdp.yaml asks
-of `accelerate launch`); on a CPU accelerate would quietly run DDP where FSDP is asked for, and `allow_fsdp_on_cpu`
-lifts that refusal, so the run is FSDP2 there too.
+scheduled rate, the factor the trainer applied and its two parts as the trainer logged them (SNR and trust region),
+and whether the parameters that optimizer holds (gathered from ZeRO-3's partitions, FSDP2's shards) changed and
+stayed finite. Rank 0 writes them to OUT as JSON. With FSDP2=1 the worker asks the Trainer for FSDP2 itself (what the
+shipped fsdp.yaml asks of `accelerate launch`); on a CPU accelerate would quietly run DDP where FSDP is asked for, and
+`allow_fsdp_on_cpu` lifts that refusal, so the run is FSDP2 there too.
 """
 
 import json
@@ -44,7 +46,7 @@ def digit_fraction_reward(completions, **kwargs):
 class StepRecorder(TrainerCallback):
     def __init__(self):
         self.trainer = None
-        self.used_lrs, self.logged = [], []
+        self.used_lrs, self.scaled = [], []
         self.hooked = None
 
     def _record_lr(self, optimizer, args, kwargs):
@@ -63,15 +65,21 @@ class StepRecorder(TrainerCallback):
             optimizer.register_step_pre_hook(self._record_lr)
             self.hooked = optimizer
             self.initial = self._snapshot()
-            rule = self.trainer.step_rate
             scale = self.trainer.step_control.lr_scale
             log = scale.on_scaled
 
             def recording_log(scheduled, factor):
-                self.logged.append((scheduled, factor, rule.snr_part, rule.trust_part))
+                self.scaled.append((state.global_step + 1, scheduled, factor))
                 log(scheduled, factor)
 
             scale.on_scaled = recording_log
+
+    def logged(self) -> list[tuple[float, float, float, float]]:
+        """Per call of the torch optimizer's step: the scheduled rate, the factor applied, and the SNR and
+        trust-region factors the trainer logged for that step."""
+        parts = {log["step"]: (log["snr/lr_factor"], log["oblr/trust_region_factor"])
+                 for log in self.trainer.state.log_history if "snr/lr_factor" in log}
+        return [(scheduled, factor, *parts[step]) for step, scheduled, factor in self.scaled]
 
 
 def main(out: str) -> None:
@@ -104,13 +112,11 @@ def main(out: str) -> None:
                 "optimizer": type(trainer.optimizer.optimizer).__name__,
                 "innermost_optimizer": type(recorder.hooked).__name__,
                 "used_lrs": recorder.used_lrs,
-                "logged": recorder.logged,
+                "logged": recorder.logged(),
                 "floor": tuning.snr_lr_floor,
-                "trust_region": {"kl": args.lr_trust_region_kl, "mode": tuning.lr_trust_region_mode,
-                                 "min_ratio": tuning.lr_trust_region_min_ratio,
+                "trust_region": {"kl": args.lr_trust_region_kl, "min_ratio": tuning.lr_trust_region_min_ratio,
                                  "max_ratio": tuning.lr_trust_region_max_ratio,
-                                 "measure_steps": tuning.lr_trust_region_measure_steps,
-                                 "curvature": tuning.lr_trust_region_curvature},
+                                 "measure_steps": tuning.lr_trust_region_measure_steps},
                 "params_changed": bool((final != recorder.initial).any()),
                 "params_finite": bool(final.isfinite().all()),
                 "log_history": trainer.state.log_history,

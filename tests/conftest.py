@@ -145,9 +145,21 @@ def no_model_load(monkeypatch):
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", refuse)
 
 
-# Option sets every multi-process layout must reproduce (tests/test_fsdp2.py, tests/test_multiprocess.py). Clipping at
-# 0.05 acts on every step of these runs (their pre-clip norms are larger), so "with clipping" means clipped steps.
+# Option sets every multi-process layout must reproduce (tests/test_fsdp2.py, tests/test_multiprocess.py), each stated
+# as what it changes from what ships (the worker's `RUN` fixes only the run's size and what the comparison holds
+# still). So every case runs the trust region's peak form per Adam update, its KL on a sample of up to 8 completions
+# (all 8 of a step here) measured on the probe, the step after it and then 2, 4, 8, ... steps with a gradient apart up
+# to every 16th, and the calibrated SNR factor, which the shipped constants hold at 1 over 4 steps (5 estimates of
+# warm-up, then a window of at least 20) while f_t is measured. Clipping at 0.05 acts on every step of these runs
+# (their pre-clip norms are larger), so "with clipping" means clipped steps.
 CLIP = 0.05
+# A named deviation from the shipped constants, so that the calibrated SNR factor acts within 4 steps: no warm-up, the
+# smallest window (2 estimates) and the factor free to lower the rate to 0.1 of the schedule (raise-only, it stays 1
+# while the SNR falls, as it does over these runs' first steps). The window resolves only where its estimates are told
+# apart from noise (t >= 2), which in 4 steps of this data `per_sample` with `num_iterations=2` and tied embeddings do.
+SNR_FACTOR_ACTS = {"snr_warmup_steps": 0, "snr_calibration_steps": 2, "snr_lr_min_ratio": 0.1}
+# The paper's SNR factor instead (a public option): f_t floored at 0.1, acting from the first estimate.
+SNR_ABSOLUTE_FROM_FIRST_ESTIMATE = {"snr_lr_reference": "absolute", "snr_warmup_steps": 0}
 BACKEND_MATRIX = [
     {"baseline_weights": weights, "snr_estimator": estimator, "num_iterations": iterations,
      "tie_word_embeddings": tied, "max_grad_norm": clip}
@@ -156,37 +168,33 @@ BACKEND_MATRIX = [
     for iterations in (1, 2)
     for tied in (False, True)
     for clip in (0.0, CLIP)
-] + [  # the trust region (its KL summed over every process's tokens), both forms
-    {"baseline_weights": "logit", "snr_estimator": "cross_step", "num_iterations": 1, "tie_word_embeddings": False,
-     "max_grad_norm": 0.0, "lr_trust_region_kl": 1e-4, "lr_trust_region_mode": "cap"},
+] + [
+    # the calibrated SNR factor resolved and acting (`SNR_FACTOR_ACTS`), and the KL measured on 3 of a step's 8
+    # completions: the same draw, whichever process holds each row
     {"baseline_weights": "exact", "snr_estimator": "per_sample", "num_iterations": 2, "tie_word_embeddings": True,
-     "max_grad_norm": CLIP, "lr_trust_region_kl": 1e-2, "lr_trust_region_mode": "target",
-     "lr_trust_region_measure_steps": 2},  # every other step measured: the cadence decided alike on every process
-    # the KL measured on 3 of the step's 8 completions: the same draw, whichever process holds each row
-    {"baseline_weights": "logit", "snr_estimator": "cross_step", "num_iterations": 1, "tie_word_embeddings": False,
-     "max_grad_norm": 0.0, "lr_trust_region_kl": 1e-4, "lr_trust_region_mode": "cap", "lr_trust_region_sample_size": 3},
+     "max_grad_norm": CLIP, "lr_trust_region_sample_size": 3, **SNR_FACTOR_ACTS},
     # exact weights measured only where rewards differ: with 4 completions a prompt each process holds one group, and
-    # the one whose group has no spread must still run as many ghost-norm passes as the other under FSDP2
+    # the one whose group has no spread must still run as many ghost-norm passes as the other under FSDP2; the SNR
+    # factor read as 'absolute'
     {"baseline_weights": "exact", "snr_estimator": "cross_step", "num_iterations": 1, "tie_word_embeddings": True,
-     "max_grad_norm": 0.0, "num_generations": 4, "reward": "alike_for_even_b"},
-    # the ghost-norm passes (weights and the per-sample SNR) under non-reentrant gradient checkpointing, which they keep
-    # on: each checkpointed module's input is taken from the backward's recompute, FSDP2 gathering the layer for it
+     "max_grad_norm": 0.0, "num_generations": 4, "reward": "alike_for_even_b", **SNR_ABSOLUTE_FROM_FIRST_ESTIMATE},
+    # the ghost-norm passes (weights and the per-sample SNR) under non-reentrant gradient checkpointing, which they
+    # keep on: each checkpointed module's input is taken from the backward's recompute, FSDP2 gathering the layer for
+    # it
     {"baseline_weights": "exact", "snr_estimator": "per_sample", "num_iterations": 1, "tie_word_embeddings": True,
      "max_grad_norm": 0.0, "gradient_checkpointing": True},
 ]
 
 
 def backend_case_id(case: dict) -> str:
-    trust_region = [f"trust_region_{case['lr_trust_region_mode']}"] if case.get("lr_trust_region_kl") else []
-    if case.get("lr_trust_region_sample_size"):
-        trust_region.append(f"kl_sample{case['lr_trust_region_sample_size']}")
-    if case.get("lr_trust_region_measure_steps"):
-        trust_region.append(f"kl_every{case['lr_trust_region_measure_steps']}")
+    sample = [f"kl_sample{case['lr_trust_region_sample_size']}"] if case.get("lr_trust_region_sample_size") else []
     groups = [f"groups_of_{case['num_generations']}_{case['reward']}"] if case.get("reward") else []
     checkpointing = ["checkpointed"] if case.get("gradient_checkpointing") else []
+    snr = ["snr_acts"] if SNR_FACTOR_ACTS.items() <= case.items() else []
+    snr += [f"snr_{case['snr_lr_reference']}"] if "snr_lr_reference" in case else []
     return "-".join([case["baseline_weights"], case["snr_estimator"], f"iterations{case['num_iterations']}",
-                     "tied" if case["tie_word_embeddings"] else "untied", "clipped" if case["max_grad_norm"] else "unclipped",
-                     *trust_region, *groups, *checkpointing])
+                     "tied" if case["tie_word_embeddings"] else "untied",
+                     "clipped" if case["max_grad_norm"] else "unclipped", *snr, *sample, *groups, *checkpointing])
 
 
 @pytest.fixture(scope="session")

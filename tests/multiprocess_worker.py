@@ -2,11 +2,13 @@
 
 Completions are a deterministic function of (prompt, position in its group, generation round), and TRL's shuffle of
 the generation batch is turned off, so a 1-process and a 2-process run see the same completions and the same
-micro-batches; only the process layout differs. Rank 0 writes what the trainer computed to a JSON file.
+micro-batches; only the process layout differs. A case is what it changes from what ships: config fields and the rate
+rule's constants, mixed (`with_rate_tuning` sorts them), over the run's fixed size (`RUN`). Rank 0 writes what the
+trainer computed to a JSON file.
 
-A case with `fsdp2` shards the policy with FSDP2 through accelerate's own `fsdp2_prepare_model` (transformer layers, then the
-root, as `recipes/accelerate_configs/fsdp.yaml` asks). accelerate sets FSDP up only for GPU-like devices and falls
-back to DDP on a CPU; `allow_fsdp_on_cpu` lifts that one refusal, so everything after it (wrapping, gradient
+A case with `fsdp2` shards the policy with FSDP2 through accelerate's own `fsdp2_prepare_model` (transformer layers,
+then the root, as `recipes/accelerate_configs/fsdp.yaml` asks). accelerate sets FSDP up only for GPU-like devices and
+falls back to DDP on a CPU; `allow_fsdp_on_cpu` lifts that one refusal, so everything after it (wrapping, gradient
 accumulation without sync, clipping of DTensor gradients, the optimizer on shards) is accelerate's and torch's real
 FSDP2 path over gloo.
 """
@@ -72,53 +74,40 @@ class DeterministicTrainer(OBLRPOTrainer):
         )
 
 
+# What every case shares: the run's size (4 steps of completions of at most 6 tokens; the launch sets the
+# micro-batches), a rate at which the tiny model moves, and what the comparison holds still (no shuffling, fp32, CPU,
+# no gradient checkpointing unless a case asks). Everything else, OBLRPOConfig's fields and the rate rule's constants
+# alike, is what ships unless a case says otherwise.
+RUN = dict(max_completion_length=6, max_steps=4, learning_rate=1e-2, logging_steps=1, report_to=[],
+           save_strategy="no", bf16=False, use_cpu=True, gradient_checkpointing=False, shuffle_dataset=False, seed=0)
+WORKER_KEYS = ("fsdp2", "reward", "tie_word_embeddings", "sketch_first_shard_only")  # how the run is built, not config
+LOGGED = ("snr/grad_sq_norm", "snr/trace_cov", "snr/bound_factor", "snr/resolved", "snr/reference_factor",
+          "snr/lr_factor", "oblr/lr", "grad_norm", "loss", "snr/full_batch_grad_sq_norm",
+          "snr/small_batch_grad_sq_norm", "oblr/step_kl", "oblr/trust_region_factor")
+
+
 def reward(completions, **kwargs):
     return [sum(ch.isdigit() for ch in c) / (1 + len(c)) for c in completions]
 
 
 def reward_alike_for_even_b(prompts, completions, **kwargs):
     """`reward`, except that every completion of a prompt "a*b=" with b even scores 0.5: groups without reward spread,
-    whose `exact` weights are not measured (with 4 completions a prompt, one process holds such a group, the other not)."""
+    whose `exact` weights are not measured (with 4 completions a prompt, one process holds such a group, the other
+    not)."""
     return [0.5 if int(p[2]) % 2 == 0 else r for p, r in zip(prompts, reward(completions), strict=True)]
 
 
 def run_case(case: dict, output_dir: str) -> dict:
-    """One 4-step training run with the options of ``case``; what rank 0 reports of it."""
+    """One training run with the options of ``case`` (config fields and rate-rule constants, mixed, over `RUN` and
+    what ships); what rank 0 reports of it."""
     fsdp = {}
     if case.get("fsdp2"):
-        fsdp = {"fsdp": "full_shard", "fsdp_config": {"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
-                                                      "reshard_after_forward": True}}
+        fsdp = {"fsdp": "full_shard", "fsdp_config": {
+            "version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"], "reshard_after_forward": True}}
     tokenizer = tiny_tokenizer()
-    trainer_cls, _ = with_rate_tuning(DeterministicTrainer, {
-        "snr_warmup_steps": 1, "lr_trust_region_mode": case.get("lr_trust_region_mode", "cap"),
-        # every step measured unless a case says: the measurement in each layout is what the cases compare
-        "lr_trust_region_measure_steps": case.get("lr_trust_region_measure_steps", 1),
-    })
-    config = OBLRPOConfig(
-        output_dir=output_dir,
-        per_device_train_batch_size=case["per_device_train_batch_size"],
-        gradient_accumulation_steps=case["gradient_accumulation_steps"],
-        num_iterations=case.get("num_iterations", 1),
-        num_generations=case.get("num_generations", 8),
-        max_completion_length=6,
-        max_steps=4,
-        learning_rate=1e-2,
-        logging_steps=1,
-        report_to=[],
-        save_strategy="no",
-        bf16=False,
-        use_cpu=True,
-        gradient_checkpointing=case.get("gradient_checkpointing", False),
-        baseline_weights=case.get("baseline_weights", "logit"),
-        snr_estimator=case.get("snr_estimator", "two_batch"),
-        snr_lr_reference=case.get("snr_lr_reference", "absolute"),
-        shuffle_dataset=False,
-        max_grad_norm=case.get("max_grad_norm", 1.0),
-        lr_trust_region_kl=case.get("lr_trust_region_kl"),
-        lr_trust_region_sample_size=case.get("lr_trust_region_sample_size"),
-        seed=0,
-        **fsdp,
-    )
+    trainer_cls, fields = with_rate_tuning(
+        DeterministicTrainer, {key: value for key, value in case.items() if key not in WORKER_KEYS})
+    config = OBLRPOConfig(output_dir=output_dir, **{**RUN, **fields}, **fsdp)
     trainer = trainer_cls(
         model=tiny_causal_lm(tokenizer, tie_word_embeddings=case.get("tie_word_embeddings", False)),
         reward_funcs={"digits": reward, "alike_for_even_b": reward_alike_for_even_b}[case.get("reward", "digits")],
@@ -128,9 +117,7 @@ def run_case(case: dict, output_dir: str) -> dict:
     )
     trainer.train()
     parameters = parameter_summary(trainer.model_wrapped)
-    keys = ("snr/grad_sq_norm", "snr/trace_cov", "snr/lr_factor", "oblr/lr", "grad_norm", "loss",
-            "snr/full_batch_grad_sq_norm", "snr/small_batch_grad_sq_norm", "oblr/step_kl", "oblr/trust_region_factor")
-    steps = [{k: h.get(k) for k in keys} for h in trainer.state.log_history if "loss" in h]
+    steps = [{k: h.get(k) for k in LOGGED} for h in trainer.state.log_history if "loss" in h]
     return {"processes": trainer.accelerator.num_processes, "batches": trainer.gathered, "steps": steps,
             "distributed_type": str(trainer.accelerator.distributed_type), "parameters": parameters,
             "is_main_process": trainer.accelerator.is_main_process}

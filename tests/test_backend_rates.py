@@ -4,10 +4,10 @@ worker then asks the Trainer for FSDP2 itself: `accelerate launch` keeps a CPU r
 A change of defaults that breaks what the GPU test asserts breaks this one first, in CI.
 
 What both check, for every optimizer step of a 4-step run with the defaults (the trust region's peak form per unit of
-Adam's update included): the rate the torch optimizer used is the scheduled rate × the SNR factor × the trust-region
-factor; each factor stays in its own bounds (SNR, read as 'absolute': [snr_lr_floor, 1]; the trust region:
-[lr_trust_region_min_ratio, lr_trust_region_max_ratio]); the first step is the trust region's probe; both factors
-acted; the parameters changed and stayed finite.
+Adam's update included; the worker names what it changes): the rate the torch optimizer used is the scheduled rate ×
+the SNR factor × the trust-region factor; each factor stays in its own bounds (SNR, read as 'absolute':
+[snr_lr_floor, 1]; the trust region: [lr_trust_region_min_ratio, lr_trust_region_max_ratio]); the first step is the
+trust region's probe; both factors acted; the parameters changed and stayed finite.
 """
 
 import json
@@ -17,8 +17,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from oblr_trl.estimators.trust_region import largest_factor
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests/backend_worker.py"
@@ -58,11 +56,11 @@ def _free_port() -> int:
 
 def assert_logged_factors_in_bounds(trainer, steps: int) -> None:
     """Each logged factor of a run with the defaults in its own bounds: the calibrated SNR factor in
-    [snr_lr_min_ratio, snr_lr_max_ratio], the trust region's in [lr_trust_region_min_ratio, its form's ceiling], the
-    first step the probe."""
+    [snr_lr_min_ratio, snr_lr_max_ratio], the trust region's in [lr_trust_region_min_ratio, lr_trust_region_max_ratio],
+    the first step the probe."""
     tuning, history = trainer.rate_tuning, [log for log in trainer.state.log_history if "snr/lr_factor" in log]
     assert len(history) == steps
-    ceiling = largest_factor(tuning.lr_trust_region_mode, tuning.lr_trust_region_max_ratio)
+    ceiling = tuning.lr_trust_region_max_ratio
     for log in history:
         assert tuning.snr_lr_min_ratio <= log["snr/lr_factor"] <= tuning.snr_lr_max_ratio
         assert tuning.lr_trust_region_min_ratio <= log["oblr/trust_region_factor"] <= ceiling
@@ -74,13 +72,12 @@ def assert_rates_reach_the_optimizer(result: dict) -> None:
     logged, trust = result["logged"], result["trust_region"]
     # one entry per call of the torch optimizer's step: 4 steps, × the param groups under ZeRO
     assert len(result["used_lrs"]) == len(logged) and len(logged) % 4 == 0
-    assert trust["kl"] is not None and (trust["mode"], trust["curvature"]) == ("peak", "per_update")  # the defaults
-    ceiling = largest_factor(trust["mode"], trust["max_ratio"])
+    assert trust["kl"] is not None  # the default: the trust region on
     for used, (scheduled, factor, snr_part, trust_part) in zip(result["used_lrs"], logged, strict=True):
         assert factor == pytest.approx(snr_part * trust_part, rel=1e-9)
         assert used == pytest.approx(scheduled * snr_part * trust_part, rel=1e-6)
         assert result["floor"] <= snr_part <= 1.0  # 'absolute': the paper's f_t with its floor
-        assert trust["min_ratio"] <= trust_part <= ceiling
+        assert trust["min_ratio"] <= trust_part <= trust["max_ratio"]
     groups = len(logged) // 4
     assert logged[0][3] == pytest.approx(trust["min_ratio"])  # the first step is the probe
     assert any(snr_part < 1.0 for _, _, snr_part, _ in logged)  # the SNR factor was measured, not left at 1

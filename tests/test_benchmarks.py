@@ -124,7 +124,7 @@ def test_overhead_smoke(saved_tiny_model, tmp_path):
     assert summary["oblrpo"]["median_snr_sketch_seconds"] > 0 and summary["grpo"]["median_snr_sketch_seconds"] == 0
     # the defaults measure the first step with a gradient (the warm-up step here, if it had one) and then every k-th:
     # the time per measurement counts the warm-up step, so that a cadence longer than the window still has its cost
-    from oblr_trl.training.step_control import RateRuleTuning
+    from oblr_trl.estimators.step_rate import RateRuleTuning
 
     kl_runs = [r for r in results["runs"] if r["variant"] == "oblrpo"]
     assert all(r["step_kl_measure_every"] == RateRuleTuning.lr_trust_region_measure_steps for r in kl_runs)
@@ -461,8 +461,7 @@ def test_synthetic_trust_region_probes_then_sizes_the_step_by_delta(monkeypatch)
 
     def lrs(delta):
         method = replace(synthetic.METHODS["grpo"], rate={
-            "use_snr_lr": False, "lr_trust_region_kl": delta, "lr_trust_region_mode": "target",
-            "lr_trust_region_curvature": "per_rate", "lr_trust_region_measure_steps": 1})
+            "use_snr_lr": False, "lr_trust_region_kl": delta, "lr_trust_region_measure_steps": 1})
         return synthetic.run(method, torch.full((2,), 0.1), [0, 1], task, teacher, held_out, targets)["lr_trace"]
 
     plain = synthetic.run(synthetic.METHODS["grpo"], torch.full((2,), 0.1), [0, 1], task, teacher, held_out,
@@ -608,17 +607,20 @@ def test_stability_tables_never_mix_graders(tmp_path):
 
 def test_a_cached_run_of_the_defaults_is_rerun_when_their_trust_region_changes(tmp_path):
     """`oblrpo` names the defaults: a run cached before the trust region became one (no δ recorded, no override) is
-    not reused for it, while a run that recorded the default δ and cadence, GRPO's run and an explicit `None` are; a
-    run recorded before the cadence was (every step measured) serves a spec that measures every step only; one
-    recorded before the form was (the cap) serves a spec that asks for the cap only."""
+    not reused for it, while a run that recorded the default δ, cadence, form and curvature, GRPO's run and an
+    explicit `None` are; a run recorded before the cadence was (every step measured) serves a spec that measures every
+    step only; a run of a form or curvature reading OBLR-PO no longer has (the cap, which runs recorded before the
+    form was ran; the target form; the peak form per unit rate, which runs recorded before the curvature was ran)
+    serves no spec."""
     sys.path.insert(0, str(BENCHMARKS))
-    from learning import current
+    from learning import TRUST_REGION_FORM, current
 
     from oblr_trl import OBLRPOConfig
-    from oblr_trl.training.step_control import RateRuleTuning
+    from oblr_trl.estimators.step_rate import RateRuleTuning
 
-    default = OBLRPOConfig.lr_trust_region_kl
+    default, cadence = OBLRPOConfig.lr_trust_region_kl, RateRuleTuning.lr_trust_region_measure_steps
     assert default is not None
+    assert TRUST_REGION_FORM == {"lr_trust_region_mode": "peak", "lr_trust_region_curvature": "per_update"}
 
     def cached(name, **fields):
         path = tmp_path / f"{name}.json"
@@ -628,40 +630,26 @@ def test_a_cached_run_of_the_defaults_is_rerun_when_their_trust_region_changes(t
     before = cached("before", method="oblrpo", overrides={})
     assert not current(before, {"method": "oblrpo", "overrides": {}})
     assert current(before, {"method": "oblrpo-no-trust", "overrides": {"lr_trust_region_kl": None}})
-    mode, curvature = RateRuleTuning.lr_trust_region_mode, RateRuleTuning.lr_trust_region_curvature
-    now = cached("now", method="oblrpo", overrides={}, lr_trust_region_kl=default, lr_trust_region_mode=mode,
-                 lr_trust_region_measure_steps=RateRuleTuning.lr_trust_region_measure_steps,
-                 lr_trust_region_curvature=curvature)
+    now = cached("now", method="oblrpo", overrides={}, lr_trust_region_kl=default,
+                 lr_trust_region_measure_steps=cadence, **TRUST_REGION_FORM)
     assert current(now, {"method": "oblrpo", "overrides": {}})
-    every_step = cached("every_step", method="oblrpo", overrides={}, lr_trust_region_kl=default,
-                        lr_trust_region_mode=mode, lr_trust_region_curvature=curvature)
+    every_step = cached("every_step", method="oblrpo", overrides={}, lr_trust_region_kl=default, **TRUST_REGION_FORM)
     assert current(every_step, {"overrides": {"lr_trust_region_measure_steps": 1}})
     assert not current(every_step, {"overrides": {"lr_trust_region_measure_steps": 4}})
     assert current(cached("every4", overrides={"lr_trust_region_measure_steps": 4}, lr_trust_region_kl=default,
-                          lr_trust_region_mode=mode, lr_trust_region_curvature=curvature),
+                          **TRUST_REGION_FORM),
                    {"overrides": {"lr_trust_region_measure_steps": 4}})
     assert current(cached("grpo", method="grpo", overrides=None), {"method": "grpo", "overrides": None})
-    every = {"lr_trust_region_measure_steps": 1}
-    explicit = cached("explicit", method="cap", overrides={"lr_trust_region_kl": 0.4, **every})
-    cap = {"lr_trust_region_mode": "cap", "lr_trust_region_curvature": "per_rate", **every}
-    assert current(explicit, {"overrides": {"lr_trust_region_kl": 0.4, **cap}})
-    assert not current(explicit, {"overrides": {"lr_trust_region_kl": default, **cap}})
-    # the defaults' form changed on 2026-11-28: a run of the defaults recorded before then (no form: the cap) is
-    # re-run for `oblrpo`, and serves a spec that asks for the cap (per unit rate, the only reading then)
-    per_rate = {"lr_trust_region_curvature": "per_rate"}
-    before_target = cached("before_target", method="oblrpo", overrides={}, lr_trust_region_kl=default,
-                           lr_trust_region_measure_steps=RateRuleTuning.lr_trust_region_measure_steps)
-    assert not current(before_target, {"method": "oblrpo", "overrides": {}})
-    assert current(before_target, {"overrides": {"lr_trust_region_mode": "cap", **per_rate}})
-    # and the curvature on 2026-11-29: a target-form run recorded before the curvature was (per unit rate) is re-run
-    # for `oblrpo` (per update), and serves a spec that asks for the target form per unit rate
-    before_peak = cached("before_peak", method="oblrpo", overrides={}, lr_trust_region_kl=default,
-                         lr_trust_region_measure_steps=RateRuleTuning.lr_trust_region_measure_steps,
-                         lr_trust_region_mode="target")
-    assert curvature == "per_update" and not current(before_peak, {"method": "oblrpo", "overrides": {}})
-    assert current(before_peak, {"overrides": {"lr_trust_region_mode": "target", **per_rate}})
-    assert not current(before_peak, {"overrides": {"lr_trust_region_mode": "target"}})
-
+    explicit = cached("explicit", overrides={"lr_trust_region_kl": 0.4, "lr_trust_region_measure_steps": 1},
+                      **TRUST_REGION_FORM)
+    assert current(explicit, {"overrides": {"lr_trust_region_kl": 0.4, "lr_trust_region_measure_steps": 1}})
+    assert not current(explicit, {"overrides": {"lr_trust_region_kl": default, "lr_trust_region_measure_steps": 1}})
+    for name, form in (("cap", {}), ("target", {"lr_trust_region_mode": "target"}),
+                       ("peak_before_the_curvature", {"lr_trust_region_mode": "peak"}),
+                       ("peak_per_rate", {"lr_trust_region_mode": "peak", "lr_trust_region_curvature": "per_rate"})):
+        retired = cached(name, method="oblrpo", overrides={}, lr_trust_region_kl=default,
+                         lr_trust_region_measure_steps=cadence, **form)
+        assert not current(retired, {"method": "oblrpo", "overrides": {}}), name
 
 
 def test_a_cached_run_serves_only_a_spec_whose_identity_it_records(tmp_path):
@@ -685,35 +673,100 @@ def test_a_cached_run_serves_only_a_spec_whose_identity_it_records(tmp_path):
 def test_the_stability_registry_is_read_only_and_resolves_the_problem_sets_delta_by_an_explicit_marker():
     """Methods, problem sets and studies are built once and cannot be changed afterwards; a trust-region method that
     takes the problem set's δ says so with `Delta.OF_PROBLEM_SET` (not a number), which each problem set replaces
-    with its own δ; a method with a δ of its own keeps it."""
+    with its own δ; a method with a δ of its own keeps it. Every method a grid, a transfer, a study or the summary
+    names is registered, runnable or settled (never both), and a runnable one sets only fields OBLR-PO has."""
     sys.path.insert(0, str(BENCHMARKS))
     import dataclasses
 
-    from stability_registry import (A_PLUS_B, A_PLUS_MINUS_B, PEAK_DELTA, PEAK_DELTA_METHOD, PROBLEM_SETS,
+    from stability_registry import (A_PLUS_B, A_PLUS_MINUS_B, FORM_PAIRS, PEAK_DELTA, PEAK_DELTA_METHOD,
+                                    PROBLEM_SETS, RATE_FOLLOWERS, SETTLED_METHODS, SETTLED_SYNTHETIC_METHODS,
                                     SMOLLM2_METHODS, STUDIES, SYNTHETIC_METHODS, Delta, by_name)
 
-    for registry in (SMOLLM2_METHODS, PROBLEM_SETS, STUDIES, SYNTHETIC_METHODS):
+    from oblr_trl import OBLRPOConfig
+    from oblr_trl.estimators.step_rate import RateRuleTuning
+
+    for registry in (SMOLLM2_METHODS, PROBLEM_SETS, STUDIES, SYNTHETIC_METHODS, SETTLED_METHODS,
+                     SETTLED_SYNTHETIC_METHODS):
         with pytest.raises(TypeError):
             registry["new"] = None
-    cap = SMOLLM2_METHODS["oblrpo-trust-cap"]
+    takes = SMOLLM2_METHODS["oblrpo-trust-peak-update-every16"]
     with pytest.raises(TypeError):
-        cap.overrides["lr_trust_region_kl"] = 0.1
+        takes.overrides["lr_trust_region_kl"] = 0.1
     with pytest.raises(dataclasses.FrozenInstanceError):
         A_PLUS_B.best_rate = 1.0
-    assert cap.overrides["lr_trust_region_kl"] is Delta.OF_PROBLEM_SET
-    assert cap.config_overrides(A_PLUS_B)["lr_trust_region_kl"] == A_PLUS_B.trust_region_kl == 0.01
-    assert cap.config_overrides(A_PLUS_MINUS_B)["lr_trust_region_kl"] == A_PLUS_MINUS_B.trust_region_kl == 0.4
+    assert takes.overrides["lr_trust_region_kl"] is Delta.OF_PROBLEM_SET
+    assert takes.config_overrides(A_PLUS_B)["lr_trust_region_kl"] == A_PLUS_B.trust_region_kl == 0.01
+    assert takes.config_overrides(A_PLUS_MINUS_B)["lr_trust_region_kl"] == A_PLUS_MINUS_B.trust_region_kl == 0.4
     assert SMOLLM2_METHODS[PEAK_DELTA_METHOD].config_overrides(A_PLUS_MINUS_B)["lr_trust_region_kl"] == PEAK_DELTA
     assert SMOLLM2_METHODS["grpo"].config_overrides(A_PLUS_B) is None
+    fields = set(OBLRPOConfig.__dataclass_fields__) | set(RateRuleTuning.__dataclass_fields__)
+    for method in SMOLLM2_METHODS.values():
+        assert set(method.config_overrides(A_PLUS_B) or {}) <= fields, method.name
     # every method a study or a grid names is registered; a transfer keeps its source's δ
+    assert not set(SMOLLM2_METHODS) & set(SETTLED_METHODS)
+    assert not set(SYNTHETIC_METHODS) & set(SETTLED_SYNTHETIC_METHODS)
+    registered = set(SMOLLM2_METHODS) | set(SETTLED_METHODS)
     for problems in PROBLEM_SETS.values():
-        assert set(problems.methods) <= set(SMOLLM2_METHODS)
+        assert set(problems.methods) <= registered
         if problems.transfer:
-            assert set(problems.transfer.methods) <= set(SMOLLM2_METHODS)
+            assert set(problems.transfer.methods) <= registered
             assert problems.transfer.task.trust_region_kl == problems.trust_region_kl
-    assert all(set(study.methods or ()) <= set(SMOLLM2_METHODS) for study in STUDIES.values())
+    assert all(set(study.methods or ()) <= registered for study in STUDIES.values())
+    assert {name for pair in FORM_PAIRS for name in pair} | set(RATE_FOLLOWERS) <= registered
     with pytest.raises(ValueError, match="declared twice"):
-        by_name([cap, cap])
+        by_name([takes, takes])
+
+
+def test_a_settled_method_is_refused_before_anything_runs_naming_the_commit_that_runs_it(tmp_path, monkeypatch):
+    """The trust region's cap and target forms and its curvature per unit rate left OBLR-PO: the methods that used
+    them are settled, and a part that would run one, named or among a grid's or a transfer's methods, on SmolLM2 or
+    on the testbed, stops at once in one line naming them and the commit that runs them, before it writes anything;
+    without them the same part runs."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import learning
+    import stability
+    from stability_registry import PEAK_DELTA_METHOD, RETIRED_FORMS_COMMIT, SETTLED_METHODS, SETTLED_SYNTHETIC_METHODS
+
+    assert RETIRED_FORMS_COMMIT == "e7f4843"
+    assert {m.commit for m in [*SETTLED_METHODS.values(), *SETTLED_SYNTHETIC_METHODS.values()]} == {"e7f4843"}
+    launched = []
+    monkeypatch.setattr(learning, "run_all", lambda specs, *_: launched.append(specs))
+    monkeypatch.setattr(stability, "write_summary", lambda *_: None)
+    for argv, named in ((["--part", "smollm2", "--methods", "grpo", "oblrpo-trust-cap"], "oblrpo-trust-cap"),
+                        (["--part", "smollm2"], "grpo-trust-cap, grpo-trust-target, oblrpo-trust-cap,"),
+                        (["--part", "smollm2", "--problems", "a×b"], "grpo-trust-cap"),
+                        (["--part", "transfer"], "oblrpo-trust-cap, oblrpo-trust-target:"),
+                        (["--part", "validation", "--methods", "oblrpo-trust-peak-every1"], "peak-every1"),
+                        (["--part", "synthetic", "--methods", "grpo", "oblrpo-trust-target"], "oblrpo-trust-target:")):
+        with pytest.raises(SystemExit) as refused:
+            stability.main([*argv, "--output_dir", str(tmp_path)])
+        message = str(refused.value.code)
+        assert named in message and "commit e7f4843" in message and "\n" not in message, argv
+    assert launched == [] and list(tmp_path.iterdir()) == []
+    assert stability.main(["--part", "smollm2", "--methods", "grpo", PEAK_DELTA_METHOD, "--seeds", "0", "--rates",
+                           "1e-5", "--eval_problems", "4", "--output_dir", str(tmp_path)]) == 0
+    assert [s["method"] for s in launched[0]] == ["initial", "grpo", PEAK_DELTA_METHOD]
+
+
+def test_the_summary_keeps_reporting_the_settled_methods_committed_runs(tmp_path):
+    """A settled method's runs stay in its folder's summary: the forms paired by seed, the trust region's runs, and
+    the rate each step used per configured rate on the plotted seed (`rates_used.png`)."""
+    sys.path.insert(0, str(BENCHMARKS))
+    from stability_figures import COLLAPSE_SEED
+
+    nan = float("nan")
+    initial = {"method": "initial", "seed": 0, "learning_rate": 0.0, "split": "test", "problems": "a + b",
+               "accuracy": 0.5, "grader": 2}
+    finals = {"oblrpo-trust-cap": 0.7, "oblrpo-trust-cap-every8": 0.6, "oblrpo-trust-target-every8": 0.8, "grpo": 0.5}
+    write_records(tmp_path / "runs", [initial, *(snr_record(method, COLLAPSE_SEED, rate, final, [0.5, 0.5], [nan, nan],
+                                                            "grid")
+                                                 for method, final in finals.items() for rate in (1e-6, 1e-5))])
+    out = run("stability.py", "--part", "summary", "--output_dir", str(tmp_path), "--bootstrap", "50")
+    forms = json.loads((tmp_path / "summary.json").read_text())["forms"]
+    paired = forms["oblrpo-trust-target-every8 - oblrpo-trust-cap-every8"]["1e-06"]
+    assert paired["seeds"] == [COLLAPSE_SEED] and paired["mean"] == pytest.approx(0.2)
+    assert "Trust-region runs so far" in out and "| oblrpo-trust-cap | 1e-06 |" in out
+    assert (tmp_path / "rates_used.png").stat().st_size > 0
 
 
 def test_stability_snr_ablation_pairs_each_arm_with_the_defaults_without_the_factor_by_seed():
@@ -806,7 +859,7 @@ def test_stability_snr_batch_runs_the_shipped_factor_against_none_at_8_prompts_a
     from stability import parse_args
     from stability_registry import A_PLUS_B, GRID, SNR_ABLATION_WITHOUT, STUDIES
 
-    from oblr_trl.training.step_control import RateRuleTuning
+    from oblr_trl.estimators.step_rate import RateRuleTuning
 
     assert parse_args(["--part", "snr-batch"]).output_dir == str(BENCHMARKS / "results" / "stability-snr-8prompts")
     launched = launched_specs(monkeypatch, ["--part", "snr-batch", "--problems", "a±b", "--output_dir", str(tmp_path)])
@@ -928,8 +981,9 @@ def test_runs_of_one_method_rate_and_seed_in_two_studies_are_told_apart_by_their
 
 
 def test_the_grid_reports_the_defaults_from_the_trust_region_runs_that_are_them(tmp_path):
-    """Where a method's δ, form, measuring cadence and curvature are OBLRPOConfig's defaults, `oblrpo` in the summary
-    is that method's cells (marked as the same runs); where one differs, `oblrpo` is absent, not borrowed."""
+    """Where a method's δ and measuring cadence are OBLRPOConfig's defaults, `oblrpo` in the summary is that method's
+    cells (marked as the same runs); where one differs, or the form or its curvature reading (a settled method's),
+    `oblrpo` is absent, not borrowed."""
     sys.path.insert(0, str(BENCHMARKS))
     from common import shipped
     from stability_measures import defaults_twin, grid_methods, smollm2_grid
@@ -938,9 +992,7 @@ def test_the_grid_reports_the_defaults_from_the_trust_region_runs_that_are_them(
 
     twin = defaults_twin(A_PLUS_B)
     overrides = SMOLLM2_METHODS[twin].config_overrides(A_PLUS_B)
-    for field in ("lr_trust_region_kl", "lr_trust_region_mode", "lr_trust_region_measure_steps",
-                  "lr_trust_region_curvature"):
-        assert overrides[field] == shipped(field), field
+    assert overrides == {field: shipped(field) for field in ("lr_trust_region_kl", "lr_trust_region_measure_steps")}
     assert twin == PEAK_DELTA_METHOD
 
     def trained(method, rate, accuracy):
@@ -1130,6 +1182,9 @@ def test_stability_long_completion_screen_smoke(saved_tiny_model, tmp_path):
     assert "step by step" in screened["template"] and screened["median_completion_tokens"] > 0
 
 
+TAKES_DELTA = "oblrpo-trust-peak-update-every16"  # the trust region at the problem set's δ
+
+
 def test_stability_smoke(saved_tiny_model, tmp_path):
     """Both parts at a tiny size: the cells, the regret paired with grpo, and a resumed grid that repeats no run."""
     run("stability.py", "--part", "synthetic", "--methods", "grpo", "oblrpo", "--test_seeds", "3", "--steps", "4",
@@ -1185,22 +1240,24 @@ def test_stability_smoke(saved_tiny_model, tmp_path):
             "--eval_problems", "4",
             "--bootstrap", "50", "--output_dir", str(tmp_path)]
     run("stability.py", "--part", "delta", *tiny)  # δ of the trust region from validation runs
-    out = run("stability.py", "--part", "smollm2", "--methods", "oblrpo-trust-cap", "grpo-trust-target", *tiny,
-              "--seeds", "1", "--set", "lr_scheduler_type=constant")  # seed 1: the one whose rates are plotted
+    out = run("stability.py", "--part", "smollm2", "--methods", "oblrpo-paper", TAKES_DELTA, *tiny, "--seeds", "1",
+              "--set", "lr_scheduler_type=constant")
     delta = json.loads((tmp_path / "summary.json").read_text())["trust_region_delta"]
     assert delta["seeds"] == [10] and delta["split"] == "validation" and len(delta["step_kl_quartiles"]) == 3
     assert len(delta["step_kl_at_peak_quartiles"]) == 3  # the δ of a peak form that lands, from the same runs
-    assert "Trust-region runs so far" in out and "| grpo-trust-target |" in out
-    assert (tmp_path / "rates_used.png").exists()
-    trust_run = json.loads((tmp_path / "runs" / "test-oblrpo-trust-cap-lr0.0001-seed1.json").read_text())
+    assert "Trust-region runs so far" in out and "| oblrpo-paper |" in out
+    trust_run = json.loads((tmp_path / "runs" / f"test-{TAKES_DELTA}-lr0.0001-seed1.json").read_text())
     assert trust_run["traces"]["learning_rate"] == [1e-4, 1e-4]  # --set reached the config: TRL's linear would decay
     assert trust_run["config_changes"] == {"lr_scheduler_type": "constant"} and trust_run["steps"] == 2
+    assert trust_run["overrides"]["lr_trust_region_kl"] == 0.4  # a ± b's δ
+    assert {key: trust_run[key] for key in ("lr_trust_region_mode", "lr_trust_region_curvature")} == {
+        "lr_trust_region_mode": "peak", "lr_trust_region_curvature": "per_update"}
     grid_before = json.loads((tmp_path / "summary.json").read_text())["methods"]
-    out = run("stability.py", "--part", "transfer", "--methods", "grpo", "oblrpo-trust-cap", *tiny, "--seeds", "0")
+    out = run("stability.py", "--part", "transfer", "--methods", "grpo", TAKES_DELTA, *tiny, "--seeds", "0")
     summary = json.loads((tmp_path / "summary.json").read_text())
     transfer = summary["transfer"]
-    assert transfer["task"]["operators"] == "*" and set(transfer["methods"]) == {"grpo", "oblrpo-trust-cap"}
-    assert transfer["methods"]["oblrpo-trust-cap"]["by_lr"]["0.0001"]["seeds"] == [0]
+    assert transfer["task"]["operators"] == "*" and set(transfer["methods"]) == {"grpo", TAKES_DELTA}
+    assert transfer["methods"][TAKES_DELTA]["by_lr"]["0.0001"]["seeds"] == [0]
     assert summary["methods"] == grid_before  # another task's runs stay out of the a ± b grid
     questions = [json.loads(line)["question"] for line in (tmp_path / "data-multiplication" / "test.jsonl").open()]
     assert len(questions) == 4 and all(" * " in q for q in questions)
@@ -1225,26 +1282,25 @@ def test_stability_smoke(saved_tiny_model, tmp_path):
         "validation-grpo-lr0.0001-seed10.json"]
     assert json.loads((sums / "summary.json").read_text())["transfer_rate_screen"] == {"0.0001": {"10": ANY}}
     assert "## GRPO's best rate on a × b (0…14) (validation seeds [10]," in out
-    out = run("stability.py", "--part", "transfer", *sums_tiny, "--methods", "grpo", "oblrpo-trust-target",
-              "--seeds", "0", "--rates", "1e-4")
+    out = run("stability.py", "--part", "transfer", *sums_tiny, "--methods", "grpo", TAKES_DELTA, "--seeds", "0",
+              "--rates", "1e-4")
     transfer = json.loads((sums / "summary.json").read_text())["transfer"]
     assert transfer["task"]["title"] == "a × b (0…14)" and transfer["trust_region_kl"] == 0.01
-    assert set(transfer["methods"]) == {"grpo", "oblrpo-trust-target"}
-    target_run = json.loads((sums / "runs" / "transfer-products" / "test-oblrpo-trust-target-lr0.0001-seed0.json")
-                            .read_text())
-    assert target_run["problems"] == "a × b (0…14)" and target_run["overrides"]["lr_trust_region_kl"] == 0.01
+    assert set(transfer["methods"]) == {"grpo", TAKES_DELTA}
+    carried = json.loads((sums / "runs" / "transfer-products" / f"test-{TAKES_DELTA}-lr0.0001-seed0.json").read_text())
+    assert carried["problems"] == "a × b (0…14)" and carried["overrides"]["lr_trust_region_kl"] == 0.01
     questions = [json.loads(line)["question"] for line in (sums / "data-products" / "test.jsonl").open()]
     assert len(questions) == 4 and all(" * " in q for q in questions)
     assert "## Transfer: δ = 0.01, chosen on a + b, unchanged on a × b (0…14)" in out and "screened above" in out
     # the products' own grid (issue 40's second task), δ unchanged, in its own folder and with no transfer
     products = tmp_path / "products"
     out = run("stability.py", "--part", "smollm2", "--problems", "a×b", "--model", str(saved_tiny_model), "--steps",
-              "1", "--eval_problems", "4", "--bootstrap", "50", "--methods", "grpo", "oblrpo-trust-target-every8",
+              "1", "--eval_problems", "4", "--bootstrap", "50", "--methods", "grpo", TAKES_DELTA,
               "--seeds", "0", "--rates", "3e-6", "--output_dir", str(products))
     summary = json.loads((products / "summary.json").read_text())
     assert summary["smollm2"]["problems"] == "a × b (0…14)" and "transfer" not in summary
-    assert set(summary["methods"]) >= {"grpo", "oblrpo-trust-target-every8"}
-    products_run = json.loads((products / "runs" / "test-oblrpo-trust-target-every8-lr3e-06-seed0.json").read_text())
+    assert set(summary["methods"]) >= {"grpo", TAKES_DELTA}
+    products_run = json.loads((products / "runs" / f"test-{TAKES_DELTA}-lr3e-06-seed0.json").read_text())
     assert products_run["overrides"]["lr_trust_region_kl"] == 0.01
     questions = [json.loads(line)["question"] for line in (products / "data-products" / "test.jsonl").open()]
     assert len(questions) == 4 and all(" * " in q for q in questions)

@@ -8,10 +8,13 @@ one refusal (`oblr_trl.testing.allow_fsdp_on_cpu`). The GPU path through `accele
 `tests/test_gpu.py::test_fsdp2_accelerate_launch`.
 
 The matrix (`BACKEND_MATRIX` in conftest): weights {logit, exact} × SNR estimator {cross_step, per_sample} ×
-`num_iterations` {1, 2} × tied and untied embeddings × with and without clipping, every case in one launch of each
-layout. What must agree: weights, advantages, ‖μ‖², tr Σ, the factor f_t (read as 'absolute' so that it moves within 4
-steps), the gradient norm and the trained parameters. The `exact` and `per_sample` cases with `num_iterations=1` fail
-without `initialise_fsdp2_root`: nothing runs the whole model before the first per-sample norms there.
+`num_iterations` {1, 2} × tied and untied embeddings × with and without clipping, each with the rate rule as it ships
+(the trust region's peak form measured on steps 1, 2 and 4 of 4, the calibrated SNR factor held at 1 while f_t is
+measured), and the cases that change one thing from it, every case in one launch of each layout. What must agree:
+weights, advantages, ‖μ‖², tr Σ, f_t, the calibration and the SNR factor, the step KL and the steps it was measured
+on, the trust-region factor, the gradient norm and the trained parameters. The `exact` and `per_sample` cases with
+`num_iterations=1` fail without `initialise_fsdp2_root`: nothing runs the whole model before the first per-sample
+norms there.
 """
 
 import pytest
@@ -32,12 +35,13 @@ def test_fsdp2_on_two_processes_matches_one_unsharded_process(single_process_mat
 
 
 def test_one_shard_alone_does_not_give_the_step_gradient(tmp_path, single_process_matrix):
-    """The defaults with only rank 0's rows sketched: the cross-step estimates move, so the matrix would fail if the
+    """The cross-step estimator with only rank 0's rows sketched: the estimates move, so the matrix would fail if the
     sum over shards were dropped."""
     index = BACKEND_MATRIX.index({"baseline_weights": "logit", "snr_estimator": "cross_step", "num_iterations": 1,
                                   "tie_word_embeddings": False, "max_grad_norm": 0.0})
     single = single_process_matrix[index]
-    partial = launch(tmp_path / "partial", 2, 2, {**BACKEND_MATRIX[index], "fsdp2": True, "sketch_first_shard_only": True})
+    partial = launch(tmp_path / "partial", 2, 2,
+                     {**BACKEND_MATRIX[index], "fsdp2": True, "sketch_first_shard_only": True})
     differs = [
         one[key] != pytest.approx(two[key], rel=1e-2)
         for one, two in zip(single["steps"][1:], partial["steps"][1:], strict=True)  # step 1 has no pair

@@ -1,11 +1,13 @@
 """Multi-process equivalence: 2 CPU processes (torchrun, gloo, DDP) against 1 process on the same generation batches.
 
 Groups of 8 completions span both ranks (4 completions per rank and generation batch) and two micro-batches on each
-rank; the 1-process run uses the same micro-batches (2 completions each) through gradient accumulation. The
-advantages, weights, SNR estimates, learning-rate factors, gradient norms and trained parameters must agree within
-float tolerance, for every option set of `BACKEND_MATRIX` (conftest; the same matrix runs under FSDP2 in
-`test_fsdp2.py`, against the same 1-process runs) and for the `two_batch` estimator, which only DDP supports. Each
-layout runs all its cases in one launch (the interpreter and the process group start once).
+rank; the 1-process run uses the same micro-batches (2 completions each) through gradient accumulation. Every case is
+what ships but for what it states (`BACKEND_MATRIX` in conftest; the same matrix runs under FSDP2 in `test_fsdp2.py`,
+against the same 1-process runs; here also the `two_batch` estimator, which only DDP supports): the trust region's peak
+form, its KL measured on a sample on steps 1, 2 and 4 of 4, and the calibrated SNR factor. The advantages, weights,
+‖μ‖², tr Σ, f_t and the calibration, the step KL and which steps measured it, both learning-rate factors, gradient
+norms and trained parameters must agree within float tolerance. Each layout runs all its cases in one launch (the
+interpreter and the process group start once).
 """
 
 import json
@@ -16,8 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BACKEND_MATRIX, CLIP, backend_case_id
+from conftest import BACKEND_MATRIX, CLIP, SNR_ABSOLUTE_FROM_FIRST_ESTIMATE, SNR_FACTOR_ACTS, backend_case_id
 from tolerances import assert_noise_estimates_match
+
+from oblr_trl import OBLRPOTrainer
+from oblr_trl.testing import with_rate_tuning
 
 WORKER = Path(__file__).with_name("multiprocess_worker.py")
 
@@ -47,6 +52,27 @@ def launch(tmp_path, processes, gradient_accumulation_steps, options):
     return launch_cases(tmp_path, processes, gradient_accumulation_steps, [options])[0]
 
 
+def assert_rate_rule_acted(single: list[dict], other: list[dict], case: dict) -> None:
+    """The rate rule of a run of 4 steps, as it ships but for ``case``'s changes, acted on the steps compared, alike in
+    both layouts: the trust region probed on step 1 and sized the rest from its KL, measured (peak form, every 16th
+    step with short early gaps) on the probe, on the step after it (whose reading replaces the probe's) and 2 steps
+    later, step 3 running on the curvature last measured. The SNR factor moved the rate where the case lets it act
+    within the run (`SNR_FACTOR_ACTS`: the calibration resolved; `SNR_ABSOLUTE_FROM_FIRST_ESTIMATE`); the shipped
+    constants hold it at 1 (its calibration unresolved)."""
+    tuning = with_rate_tuning(OBLRPOTrainer, case)[0].rate_tuning
+    for run in (single, other):
+        assert [index for index, step in enumerate(run, 1) if step["oblr/step_kl"] is not None] == [1, 2, 4]
+    assert single[0]["oblr/trust_region_factor"] == pytest.approx(tuning.lr_trust_region_min_ratio)
+    assert any(step["oblr/trust_region_factor"] != pytest.approx(tuning.lr_trust_region_min_ratio)
+               for step in single[1:])
+    if SNR_FACTOR_ACTS.items() <= case.items():
+        assert any(step["snr/resolved"] for step in single) and any(step["snr/lr_factor"] != 1.0 for step in single)
+    elif SNR_ABSOLUTE_FROM_FIRST_ESTIMATE.items() <= case.items():
+        assert any(step["snr/lr_factor"] < 1.0 for step in single)
+    else:
+        assert all(step["snr/lr_factor"] == 1.0 and not step["snr/resolved"] for step in single)
+
+
 def assert_runs_match(single: dict, other: dict, case: dict) -> None:
     """Two runs of the same batches in different process layouts computed the same training."""
     assert len(single["batches"]) == len(other["batches"]) >= 2
@@ -62,9 +88,14 @@ def assert_runs_match(single: dict, other: dict, case: dict) -> None:
     assert len(single["steps"]) == len(other["steps"]) == 4
     # float32 sums in another order: ‖μ‖² and tr Σ agree to 1e-4 of the terms they are differences of
     assert_noise_estimates_match(single["steps"], other["steps"], samples=8, rel=1e-4)
-    assert any(step["snr/lr_factor"] < 1.0 for step in single["steps"])  # the factor acted on the updates compared
-    if case.get("lr_trust_region_kl"):  # so did the trust region
-        assert any(step["oblr/trust_region_factor"] != 1.0 for step in single["steps"])
+    for one, two in zip(single["steps"], other["steps"], strict=True):
+        # the SNR reading each factor is decided from: f_t of the smoothed estimates, the calibration and its f_ref
+        assert two["snr/resolved"] == one["snr/resolved"]
+        for key in ("snr/bound_factor", "snr/reference_factor"):
+            assert (one[key] is None) == (two[key] is None)
+            if one[key] is not None:
+                assert two[key] == pytest.approx(one[key], abs=1e-4, nan_ok=True), key
+    assert_rate_rule_acted(single["steps"], other["steps"], case)
     if case.get("max_grad_norm"):  # clipping acted on the updates compared
         assert all(step["grad_norm"] > case["max_grad_norm"] for step in single["steps"])
     for one, two in zip(single["parameters"], other["parameters"], strict=True):
@@ -83,8 +114,8 @@ def test_two_processes_match_one(single_process_matrix, ddp_matrix, index):
 
 
 # the two-batch estimator (micro-batches or ranks as the small batch) exists under DDP only (FSDP2 refuses it)
-TWO_BATCH = [{"baseline_weights": "logit", "snr_estimator": "two_batch", "num_iterations": 1, "max_grad_norm": clip}
-             for clip in (0.0, CLIP)]
+TWO_BATCH = [{"snr_estimator": "two_batch", "max_grad_norm": 0.0},
+             {"snr_estimator": "two_batch", "max_grad_norm": CLIP, **SNR_ABSOLUTE_FROM_FIRST_ESTIMATE}]
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +124,7 @@ def two_batch_runs(tmp_path_factory):
     return launch_cases(folder / "single", 1, 4, TWO_BATCH), launch_cases(folder / "double", 2, 2, TWO_BATCH)
 
 
-@pytest.mark.parametrize("index", range(len(TWO_BATCH)), ids=["unclipped", "clipped"])
+@pytest.mark.parametrize("index", range(len(TWO_BATCH)), ids=["unclipped", "clipped-snr_absolute"])
 def test_two_processes_match_one_with_the_two_batch_estimator(two_batch_runs, index):
     single, double = (runs[index] for runs in two_batch_runs)
     assert double["processes"] == 2

@@ -442,13 +442,16 @@ def test_one_decision_and_one_log_per_step_when_the_optimizer_steps_once_per_par
     trainer.step_control.begin_step()
     optimizer.step()
     optimizer.step()
+    trainer.step_control.after_step()  # the Trainer's `on_optimizer_step`, once per step
     assert trainer._metrics["train"]["snr/lr_factor"] == [0.5]
+    assert trainer._metrics["train"]["oblr/lr"] == [pytest.approx(trainer.args.learning_rate * 0.5 * 0.01)]
 
     trainer.step_rate.next_snr_factor = float("nan")
     trainer.step_control.begin_step()
     optimizer.step()
     trainer.step_control.factor = 0.5  # the decision was taken at the step's first call and holds for the whole step
     optimizer.step()
+    trainer.step_control.after_step()
     assert trainer.skipped_nonfinite_steps == 1
     assert trainer._metrics["train"]["snr/lr_factor"] == [0.5]
 

@@ -317,3 +317,28 @@ def test_the_logged_noise_scale_is_the_smoothed_estimates_ratio_in_completions(m
         else:
             assert log.get("oblr/noise_scale") is None or math.isnan(log["oblr/noise_scale"])
     assert compared > 0
+
+
+def test_the_calibration_window_opens_when_told_but_not_before_the_factors_warm_up():
+    """The trainer opens the window after the learning-rate warm-up once training starts; what it holds stays (a
+    resumed run opens it anew), and it never opens before the factor's own warm-up."""
+    def make():
+        return SNRLearningRateController(0.0, 3, 0.1, reference="calibrated", calibration_start=0,
+                                         calibration_steps=2)
+
+    late = make()
+    late.open_calibration_after(5)
+    for value in [5.0, 5.0, 5.0, 5.0, 5.0, 1.0, 1.0]:  # the first five are before the window opens
+        late.update(NoiseEstimate(value, 10.0))
+    assert late.resolved and late.calibration.reference(8) == pytest.approx(snr_lr_factor(1.0, 10.0, 8))
+    early = make()
+    early.open_calibration_after(1)  # not before the factor's warm-up of 3
+    for value in [5.0, 5.0, 5.0, 1.0, 1.0]:
+        early.update(NoiseEstimate(value, 10.0))
+    assert early.calibration.reference(8) == pytest.approx(snr_lr_factor(1.0, 10.0, 8))
+    resumed = make()
+    resumed.load_state_dict(late.state_dict())
+    resumed.open_calibration_after(5)
+    assert resumed.calibration.state_dict() == late.calibration.state_dict()
+    with pytest.raises(ValueError, match="calibration window"):
+        make().calibration.open_after(-1)

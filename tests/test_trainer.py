@@ -537,6 +537,50 @@ def test_a_layer_the_ghost_norms_do_not_know_falls_back_to_exact_per_row_norms(m
     assert torch.allclose(used, reference, rtol=1e-4)
 
 
+def test_per_sample_norms_and_the_step_kl_read_the_loss_forward(make_trainer, tokenizer):
+    """The per-token log-probabilities and entropies that the per-sample norms and the step KL take are the tensors
+    TRL's loss forward of the micro-batch computed (no forward of their own), also where the per-sample norms run
+    forwards of their own in between (a layer without a ghost-norm rule: one backward per completion)."""
+    from oblr_trl.testing import tiny_causal_lm
+
+    class Spying(OBLRPOTrainer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.loss_forwards, self.grad_forwards, self.read = [], [], []
+            measure, keep = self.completion_weights.loss_rows_grad_sq, self.kl_recorder.keep
+            self.completion_weights.loss_rows_grad_sq = lambda loss, inputs, log_probs, entropies: (
+                self.read.append(("per_sample", log_probs, entropies)) or measure(loss, inputs, log_probs, entropies))
+            self.kl_recorder.keep = lambda batch, log_probs, mask: (
+                self.read.append(("step_kl", log_probs, None)) or keep(batch, log_probs, mask))
+
+        def _get_per_token_logps_and_entropies(self, model, *args, **kwargs):
+            result = super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
+            if torch.is_grad_enabled():
+                self.grad_forwards.append(result)
+            return result
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            first = len(self.grad_forwards)
+            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            self.loss_forwards.append(self.grad_forwards[first])  # TRL's `_compute_loss` forward comes first
+            return loss
+
+    model = tiny_causal_lm(tokenizer)
+    model.model.norm = torch.nn.LayerNorm(model.config.hidden_size)  # the per-sample norms run forwards of their own
+    trainer = make_trainer(model=model, trainer_cls=Spying, snr_estimator="per_sample", max_steps=2)
+    assert trainer.kl_recorder is not None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the fallback's warning naming the layer
+        trainer.train()
+    assert len(trainer.grad_forwards) > len(trainer.loss_forwards) > 0  # the fallback's forwards happened
+    assert [name for name, _, _ in trainer.read] == ["per_sample", "step_kl"] * len(trainer.loss_forwards)
+    read = iter(trainer.read)
+    for log_probs, entropies, _ in trainer.loss_forwards:
+        (_, per_sample_log_probs, per_sample_entropies), (_, step_kl_log_probs, _) = next(read), next(read)
+        assert per_sample_log_probs is log_probs and per_sample_entropies is entropies
+        assert step_kl_log_probs is log_probs
+
+
 def test_under_fsdp2_a_layer_the_ghost_norms_do_not_know_is_an_error_naming_it(make_trainer, tokenizer, monkeypatch):
     """The per-row fallback differentiates with respect to the parameters, which FSDP2 keeps as shards outside the
     graph: there it would measure nothing, so the layer is named and the defaults are offered instead."""

@@ -16,97 +16,87 @@ from oblr_trl.estimators.trust_region import TrustRegionRate, adam_update_square
 # ----------------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mode", ["cap", "target", "peak"])
-def test_until_a_step_moves_the_policy_the_step_is_a_probe_at_the_floor(mode):
-    rule = TrustRegionRate(1e-3, mode, ema_decay=0.0, min_ratio=0.02)
-    assert rule.factor(1e-4) == 0.02
+def test_until_a_step_moves_the_policy_the_step_is_a_probe_at_the_floor():
+    rule = TrustRegionRate(1e-3, ema_decay=0.0, min_ratio=0.02)
+    assert rule.factor(1e-4, 1e-4) == 0.02
     rule.update(kl=0.0, lr=2e-6)  # a probe that did not move the policy (no gradient): still no curvature
-    assert rule.factor(1e-4) == 0.02
+    assert rule.factor(1e-4, 1e-4) == 0.02
     rule.update(kl=1e-3 / 100, lr=1e-5)  # δ/100 at 1e-5: δ is reached at 1e-4
-    assert rule.factor(1e-4) == pytest.approx(1.0)
+    assert rule.factor(1e-4, 1e-4) == pytest.approx(1.0)
 
 
-@pytest.mark.parametrize("mode", ["cap", "target", "peak"])
-def test_a_step_above_the_target_kl_lowers_the_rate(mode):
-    rule = TrustRegionRate(1e-3, mode, ema_decay=0.0)
+def test_a_step_above_the_target_kl_lowers_the_rate():
+    rule = TrustRegionRate(1e-3, ema_decay=0.0)
     rule.update(kl=4e-3, lr=1e-4)  # 4δ at 1e-4: δ is reached at 1e-4 · sqrt(1/4)
     assert rule.rate == pytest.approx(5e-5)
-    assert rule.factor(1e-4) == pytest.approx(0.5)
+    assert rule.factor(1e-4, 1e-4) == pytest.approx(0.5)
 
 
-def test_the_target_form_raises_a_rate_whose_steps_stay_below_the_target_within_its_bound():
-    rule = TrustRegionRate(1e-3, "target", ema_decay=0.0, max_ratio=10.0)
+def test_a_rate_whose_steps_stay_below_the_target_is_raised_within_its_bound():
+    rule = TrustRegionRate(1e-3, ema_decay=0.0, max_ratio=10.0)
     rule.update(kl=1e-3 / 16, lr=1e-4)
-    assert rule.factor(1e-4) == pytest.approx(4.0)
+    assert rule.factor(1e-4, 1e-4) == pytest.approx(4.0)
     rule.update(kl=1e-3 / 10_000, lr=1e-4)  # would be 100×: bounded
-    assert rule.factor(1e-4) == 10.0
+    assert rule.factor(1e-4, 1e-4) == 10.0
 
 
-def test_the_cap_never_exceeds_the_scheduled_rate_times_the_snr_factor():
-    rule = TrustRegionRate(1e-3, "cap", ema_decay=0.0)
-    for kl in (1e-6, 1e-3, 1e-1, 0.0):
-        rule.update(kl=kl, lr=1e-4)
+def test_the_factor_stays_within_its_bounds():
+    rule = TrustRegionRate(1e-3, ema_decay=0.0, min_ratio=0.05, max_ratio=4.0)
+    for kl in (1e-9, 1e-6, 1e-3, 1e-1, 10.0):
+        rule.update(kl=kl, lr=1e-3)
         for base in (1e-6, 1e-4, 1e-2):
-            assert 0.0 < rule.factor(base) <= 1.0
-
-
-def test_the_factor_never_falls_below_its_floor():
-    rule = TrustRegionRate(1e-6, "cap", ema_decay=0.0, min_ratio=0.05)
+            for peak in (base, 10 * base, 1e-2):
+                assert 0.05 <= rule.factor(base, peak) <= 4.0
     rule.update(kl=10.0, lr=1e-3)
-    assert rule.factor(1e-3) == 0.05
+    assert rule.factor(1e-3, 1e-3) == 0.05
+    assert rule.factor(0.0, 1e-3) == 1.0  # a rate of 0: nothing to scale
 
 
 def test_the_curvature_is_smoothed_and_non_measurements_are_ignored():
-    rule = TrustRegionRate(1e-3, "cap", ema_decay=0.5)
+    rule = TrustRegionRate(1e-3, ema_decay=0.5)
+    rule.update(kl=1e-2, lr=1e-2)  # the probe: replaced by the next reading
     rule.update(kl=1e-3, lr=1e-2)  # curvature 10
     rule.update(kl=4e-3, lr=1e-2)  # curvature 40
     average = (0.5 * 0.5 * 10 + 0.5 * 40) / (1 - 0.25)
     assert rule.rate == pytest.approx(math.sqrt(1e-3 / average))
     assert not rule.update(kl=float("nan"), lr=1e-2) and not rule.update(kl=1e-3, lr=0.0)
     assert rule.rate == pytest.approx(math.sqrt(1e-3 / average))
-    copied = TrustRegionRate(1e-3, "cap", ema_decay=0.5)
+    copied = TrustRegionRate(1e-3, ema_decay=0.5)
     copied.load_state_dict(json.loads(json.dumps(rule.state_dict())))
     assert copied.rate == rule.rate
 
 
-def test_the_peak_form_measures_the_peak_and_leaves_the_schedule_and_snr_factor_to_shape_each_step():
+def test_the_rule_measures_the_peak_and_leaves_the_schedule_and_snr_factor_to_shape_each_step():
     """η = η_s · clip(η_δ/η_peak): the factor is set by the schedule's peak, not by the step's own rate, so the rate
-    used falls with the schedule and moves with the SNR factor; the target form over the same steps uses η_δ."""
-    peak, target = TrustRegionRate(1e-3, "peak", ema_decay=0.0), TrustRegionRate(1e-3, "target", ema_decay=0.0)
-    for rule in (peak, target):
-        rule.update(kl=1e-3 / 16, lr=1e-4)  # η_δ = 4e-4
-    used = {name: [base * rule.factor(base, 1e-4) for base in (1e-4, 5e-5, 8e-5, 5e-5)]
-            for name, rule in (("peak", peak), ("target", target))}
-    assert used["peak"] == pytest.approx([4e-4, 2e-4, 3.2e-4, 2e-4])  # η̂_max × scheduled/peak × f
-    assert used["target"] == pytest.approx([4e-4] * 4)  # the schedule and the factor cancel
-    assert peak.factor(1e-4, 1e-6) == 10.0 and peak.factor(1e-4, 1.0) == 0.01  # bounded as the target is
-    assert peak.factor(1e-4) == target.factor(1e-4)  # without a peak: the step's own rate
+    used falls with the schedule and moves with the SNR factor around the measured peak η̂_max = η_δ."""
+    rule = TrustRegionRate(1e-3, ema_decay=0.0)
+    rule.update(kl=1e-3 / 16, lr=1e-4)  # η_δ = 4e-4
+    used = [base * rule.factor(base, 1e-4) for base in (1e-4, 5e-5, 8e-5, 5e-5)]
+    assert used == pytest.approx([4e-4, 2e-4, 3.2e-4, 2e-4])  # η̂_max × scheduled/peak × f
+    assert rule.factor(1e-4, 1e-6) == 10.0 and rule.factor(1e-4, 1.0) == 0.01  # bounded
+    assert rule.factor(5e-5) == rule.factor(5e-5, 5e-5) == 8.0  # without a peak: the step's own rate
 
 
-def test_the_probes_reading_is_replaced_by_the_next_one_in_the_peak_form():
-    """Adam's first step (the probe) overstates the curvature: in the peak form it is provisional, the next reading
-    replaces it and the step after the probe must be measured; the other forms average it in."""
-    for mode in ("peak", "target", "cap"):
-        rule = TrustRegionRate(1e-3, mode, ema_decay=0.5)
-        assert rule.needs_measurement and not rule.provisional
-        rule.update(kl=0.0, lr=1e-5)  # did not move the policy: still probing, nothing provisional
-        assert rule.probing and not rule.provisional
-        rule.update(kl=1e-3, lr=1e-5)  # the probe: curvature 1e7
-        assert rule.provisional == (mode == "peak") and rule.needs_measurement == (mode == "peak")
-        rule.update(kl=1e-3, lr=1e-4)  # curvature 1e5
-        replaced = mode == "peak"
-        averaged = (0.5 * 0.5 * 0.5 * 0.0 + 0.5 * 0.5 * 1e7 + 0.5 * 1e5) / (1 - 0.5**3)
-        assert rule.curvature.value == pytest.approx(1e5 if replaced else averaged)
-        assert not rule.needs_measurement
-        rule.update(kl=4e-3, lr=1e-4)  # then averaged as usual
-        assert rule.curvature.count == (2 if replaced else 4)
-        resumed = TrustRegionRate(1e-3, mode, ema_decay=0.5)
-        resumed.load_state_dict(json.loads(json.dumps(rule.state_dict())))
-        assert resumed.rate == rule.rate and resumed.provisional == rule.provisional
+def test_the_probes_reading_is_replaced_by_the_next_one():
+    """Adam's first step (the probe) overstates the curvature: its reading is provisional, the next reading replaces
+    it and the step after the probe must be measured."""
+    rule = TrustRegionRate(1e-3, ema_decay=0.5)
+    assert rule.needs_measurement and not rule.provisional
+    rule.update(kl=0.0, lr=1e-5)  # did not move the policy: still probing, nothing provisional
+    assert rule.probing and not rule.provisional
+    rule.update(kl=1e-3, lr=1e-5)  # the probe: curvature 1e7
+    assert rule.provisional and rule.needs_measurement
+    resumed = TrustRegionRate(1e-3, ema_decay=0.5)
+    resumed.load_state_dict(json.loads(json.dumps(rule.state_dict())))
+    assert resumed.provisional and resumed.rate == rule.rate
+    rule.update(kl=1e-3, lr=1e-4)  # curvature 1e5
+    assert rule.curvature.value == pytest.approx(1e5) and not rule.needs_measurement
+    rule.update(kl=4e-3, lr=1e-4)  # then averaged as usual
+    assert rule.curvature.count == 2
 
 
 def test_the_aimed_kl_is_delta_at_the_rules_rate_and_scales_with_the_square_of_the_rate():
-    rule = TrustRegionRate(1e-2, "peak", ema_decay=0.0)
+    rule = TrustRegionRate(1e-2, ema_decay=0.0)
     assert math.isnan(rule.aimed_kl(1e-5))  # probing: nothing aimed at
     rule.update(kl=1e-2 / 4, lr=1e-5)  # η_δ = 2e-5
     assert rule.aimed_kl(2e-5) == pytest.approx(1e-2)
@@ -144,34 +134,34 @@ def test_adams_update_per_unit_rate_is_read_from_its_state(adam):
     assert adam_update_square_sum(torch.optim.SGD([weight], lr=1e-3)) is None  # not Adam's state
 
 
-def test_per_update_the_curvature_is_read_per_unit_of_the_update_and_predicts_with_the_last_one():
-    """KL = c·lr²·ū²: per update, a step whose update shrank 4-fold (ū² 1 → 0.25) at the same rate and a quarter of
-    the KL reads the same curvature, and the next step, predicted with ū² = 0.25, may run at twice the rate the plain
-    reading allows; without per_update the same readings are taken as a falling curvature."""
-    per_update, plain = TrustRegionRate(1e-3, "target", ema_decay=0.5, per_update=True), TrustRegionRate(
-        1e-3, "target", ema_decay=0.5)
-    for rule in (per_update, plain):
-        rule.note_update(1.0)
-        rule.update(kl=1e-3, lr=1e-4)  # c = 1e5 per unit update
+def test_the_curvature_is_read_per_unit_of_the_update_and_predicts_with_the_last_one():
+    """KL = c·lr²·ū²: a step whose update shrank 4-fold (ū² 1 → 0.25) at the same rate and a quarter of the KL reads
+    the same curvature, and the next step, predicted with ū² = 0.25, may run at twice the rate of the first; without
+    Adam's state (no ū² noted) a reading is per unit rate."""
+    rule = TrustRegionRate(1e-3, ema_decay=0.5)
+    rule.note_update(1.0)
+    rule.update(kl=1e-3, lr=1e-4)  # the probe, c = 1e5 per unit update: replaced by the next reading
+    for _ in range(2):
         rule.note_update(0.25)
         rule.update(kl=1e-3 / 4, lr=1e-4)
-    assert per_update.curvature.value == pytest.approx(1e5)
-    assert per_update.rate == pytest.approx(math.sqrt(1e-3 / (1e5 * 0.25)))  # 2e-4
-    assert per_update.aimed_kl(2e-4) == pytest.approx(1e-3)
-    assert plain.rate < per_update.rate  # the average of 1e5 and 2.5e4
-    resumed = TrustRegionRate(1e-3, "target", ema_decay=0.5, per_update=True)
-    resumed.load_state_dict(json.loads(json.dumps(per_update.state_dict())))
-    assert resumed.rate == per_update.rate
+    assert rule.curvature.value == pytest.approx(1e5)
+    assert rule.rate == pytest.approx(math.sqrt(1e-3 / (1e5 * 0.25)))  # 2e-4
+    assert rule.aimed_kl(2e-4) == pytest.approx(1e-3)
+    resumed = TrustRegionRate(1e-3, ema_decay=0.5)
+    resumed.load_state_dict(json.loads(json.dumps(rule.state_dict())))
+    assert resumed.rate == rule.rate
     for nothing in (None, 0.0, float("nan")):
-        per_update.note_update(nothing)
-    assert per_update.update_mean_square == 0.25
+        rule.note_update(nothing)
+    assert rule.update_mean_square == 0.25
+    per_rate = TrustRegionRate(1e-3, ema_decay=0.0)
+    per_rate.update(kl=1e-3 / 4, lr=1e-4)
+    assert per_rate.rate == pytest.approx(2e-4)
 
 
 def test_options_are_checked():
-    with pytest.raises(ValueError, match="mode"):
-        TrustRegionRate(1e-3, "both")
-    with pytest.raises(ValueError, match="target_kl"):
-        TrustRegionRate(0.0)
+    for target in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="target_kl"):
+            TrustRegionRate(target)
 
 
 def test_sampled_token_kl_is_unbiased_for_the_kl_of_two_categoricals():
@@ -416,48 +406,35 @@ def test_the_trust_region_sets_the_rate_the_optimizer_uses(make_trainer):
         assert h["oblr/lr"] == pytest.approx(used, rel=1e-6)
 
 
-@pytest.mark.parametrize("curvature", ["per_rate", "per_update"])
-def test_the_peak_form_follows_the_schedule_and_logs_what_each_step_aimed_at(make_trainer, curvature):
-    """Peak form, linear decay, measured every 4th step: the probe and the step after it are measured (the probe's
-    reading is replaced), and between measurements the trust-region factor holds while the rate used falls with the
-    schedule; every step after the probe logs the KL it aimed at, δ·(η/η̂_max)², beside the rate used. With the
-    per-update curvature the steps 2 and then 4 apart are measured too."""
+def test_the_rule_follows_the_schedule_and_logs_what_each_step_aimed_at(make_trainer):
+    """Linear decay, measured every 4th step after the short early gaps: the probe and the step after it are measured
+    (the probe's reading is replaced), then the steps 2 apart; the rate used falls with the schedule, and every step
+    after the probe logs the KL it aimed at, δ·(η/η̂_max)² with η̂_max the rate the step before it left."""
     probe = RatesUsed()
-    trainer = make_trainer(lr_trust_region_kl=1e-3, lr_trust_region_mode="peak", lr_trust_region_measure_steps=4,
-                           max_steps=6, lr_scheduler_type="linear", use_snr_lr=False, callbacks=[probe],
-                           lr_trust_region_curvature=curvature)
+    trainer = make_trainer(lr_trust_region_kl=1e-3, lr_trust_region_measure_steps=4, max_steps=6,
+                           lr_scheduler_type="linear", use_snr_lr=False, callbacks=[probe])
     probe.trainer = trainer
     trainer.train()
     logged = [h for h in trainer.state.log_history if "loss" in h]
     assert all(h["grad_norm"] > 0 for h in logged)
-    last_measured = [0, 1, 1, 3, 3, 3] if curvature == "per_update" else [0, 1, 1, 1, 1, 5]
-    assert ["oblr/step_kl" in h for h in logged] == [t == last for t, last in enumerate(last_measured)]
+    assert ["oblr/step_kl" in h for h in logged] == [True, True, False, True, False, False]
     factors = _factors(trainer)
     assert factors[0] == 0.01
-    for t in range(3, 6):  # between measurements the schedule shapes the rate used (per rate, the factor holds)
-        if last_measured[t - 1] == last_measured[t - 2]:
-            assert probe.seen[t] != probe.seen[t - 1]
-            assert (factors[t] == factors[t - 1]) == (curvature == "per_rate")
     for h, used, factor in zip(logged, probe.seen, factors, strict=True):
         assert used == pytest.approx(h["learning_rate"] * factor, rel=1e-6)
         assert h["oblr/lr"] == pytest.approx(used, rel=1e-6) and "snr/effective_lr" not in h
     assert "oblr/step_kl_target" not in logged[0]  # the probe aims at nothing
-    assert all(h["oblr/step_kl_target"] > 0 for h in logged[1:])
-    for t in range(2, 6):  # η̂_max after the last step measured before t
-        rate = logged[last_measured[t - 1]]["oblr/trust_region_rate"]
-        if 0.01 < factors[t] < 10.0 and curvature == "per_rate":  # per update, ū² moves the aim too (below)
-            assert logged[t]["oblr/step_kl_target"] == pytest.approx(1e-3 * (probe.seen[t] / rate) ** 2, rel=1e-6)
+    for t in range(1, 6):
+        rate = logged[t - 1]["oblr/trust_region_rate"]
+        assert logged[t]["oblr/step_kl_target"] == pytest.approx(1e-3 * (probe.seen[t] / rate) ** 2, rel=1e-6)
 
 
-@pytest.mark.parametrize("per_update", [False, True])
-def test_each_step_logs_adams_update_and_per_update_the_rule_reads_it(make_trainer, per_update):
-    """`oblr/update_rms` is the root mean square of the step's Adam update per unit rate (about 1 for the first); with
-    lr_trust_region_curvature="per_update" the rate the rule leaves is sqrt(δ/(ĉ·ū²)) with ū² the step's, so it differs from the
-    plain rule's on the same steps, and what a step aimed at is the curvature times its rate² times the ū² before it."""
-    trainer = make_trainer(lr_trust_region_kl=1e-3, lr_trust_region_mode="peak", lr_trust_region_measure_steps=1,
-                           lr_trust_region_ema_decay=0.0, max_steps=4,
-                           lr_trust_region_curvature="per_update" if per_update else "per_rate",
-                           use_snr_lr=False, lr_scheduler_type="constant")
+def test_each_step_logs_adams_update_and_the_rule_reads_the_curvature_per_unit_of_it(make_trainer):
+    """`oblr/update_rms` is the root mean square of the step's Adam update per unit rate (about 1 for the first); the
+    rate the rule leaves is sqrt(δ/(ĉ·ū²)) with ū² the step's, and what a step aimed at is the curvature times its
+    rate² times the ū² before it."""
+    trainer = make_trainer(lr_trust_region_kl=1e-3, lr_trust_region_measure_steps=1, lr_trust_region_ema_decay=0.0,
+                           max_steps=4, use_snr_lr=False, lr_scheduler_type="constant")
     trainer.train()
     logged = [h for h in trainer.state.log_history if "loss" in h]
     assert all(h["grad_norm"] > 0 for h in logged)
@@ -465,12 +442,11 @@ def test_each_step_logs_adams_update_and_per_update_the_rule_reads_it(make_train
     assert 0.5 < rms[0] <= 1.0 and rms[-1] < rms[0]  # sign(g), but for coordinates no token reached (g = 0)
     used = [h["oblr/lr"] for h in logged]
     for before, after in zip(logged[1:], logged[2:]):  # every step measured, ema_decay 0: the last reading alone
-        curvature = before["oblr/step_kl"] / (before["oblr/lr"] ** 2 * (before["oblr/update_rms"] ** 2 if per_update
-                                                                         else 1.0))
+        curvature = before["oblr/step_kl"] / (before["oblr/lr"] ** 2 * before["oblr/update_rms"] ** 2)
         assert after["oblr/step_kl_target"] == pytest.approx(
-            curvature * after["oblr/lr"] ** 2 * (before["oblr/update_rms"] ** 2 if per_update else 1.0), rel=1e-4)
+            curvature * after["oblr/lr"] ** 2 * before["oblr/update_rms"] ** 2, rel=1e-4)
         assert before["oblr/trust_region_rate"] == pytest.approx(
-            math.sqrt(1e-3 / (curvature * (before["oblr/update_rms"] ** 2 if per_update else 1.0))), rel=1e-4)
+            math.sqrt(1e-3 / (curvature * before["oblr/update_rms"] ** 2)), rel=1e-4)
     assert len(set(used)) == 4
 
 
@@ -497,10 +473,10 @@ def test_a_step_without_a_gradient_is_logged_but_does_not_change_the_curvature(m
     assert math.isfinite(rates[0]) and rates[1:] == [rates[0]] * 3
 
 
-def test_the_target_form_does_not_raise_a_step_without_a_gradient(make_trainer):
-    """δ far above what any step moves the tiny policy: the target form raises every step with a gradient to its
-    bound (`test_each_trust_region_option_changes_the_factor`), but from step 2 on every group scores alike, and a
-    step that Adam's momentum alone drives runs at the scheduled rate, as the optimizer sees it."""
+def test_a_step_without_a_gradient_is_not_raised(make_trainer):
+    """δ far above what any step moves the tiny policy: the rule raises every step with a gradient to its bound
+    (`test_each_trust_region_option_changes_the_factor`), but from step 2 on every group scores alike, and a step that
+    Adam's momentum alone drives runs at the scheduled rate, as the optimizer sees it."""
     from conftest import digit_fraction_reward
 
     trainer = None
@@ -512,7 +488,7 @@ def test_the_target_form_does_not_raise_a_step_without_a_gradient(make_trainer):
 
     probe = RatesUsed()
     trainer = make_trainer(reward_funcs=[rewards_vary_on_step_one_only], lr_trust_region_kl=10.0,
-                           lr_trust_region_mode="target", lr_trust_region_max_ratio=3.0, max_steps=3,
+                           lr_trust_region_max_ratio=3.0, max_steps=3,
                            use_snr_lr=False, lr_scheduler_type="constant", callbacks=[probe])
     probe.trainer = trainer
     trainer.train()
@@ -530,21 +506,16 @@ def test_each_trust_region_option_changes_the_factor(make_trainer):
     off.train()
     assert off.kl_recorder is None and _factors(off) == [None] * 3
     default = make_trainer(**common)  # the peak with δ = 0.005 per update: the probe, then the measured KL's factor
-    rule = default.step_rate.trust_region
-    assert (rule.target_kl, rule.mode, rule.per_update) == (0.005, "peak", True)
+    rule = default.step_rate
+    assert (rule.trust_region.target_kl, rule.measure_every, rule.short_early_gaps) == (0.005, 16, True)
     default.train()
     assert _factors(default)[0] == 0.01 and all(0.01 <= g <= 10.0 for g in _factors(default))
     floor = make_trainer(lr_trust_region_kl=1e-12, lr_trust_region_min_ratio=0.2, **common)
     floor.train()
     assert _factors(floor) == [0.2, 0.2, 0.2]  # the probe, then the floor
-    generous = make_trainer(lr_trust_region_kl=10.0, lr_trust_region_mode="cap", **common)  # a δ no step reaches:
-    # the cap leaves the rate alone
-    generous.train()
-    assert _factors(generous) == [0.01, 1.0, 1.0]
-    raised = make_trainer(lr_trust_region_kl=10.0, lr_trust_region_mode="target", lr_trust_region_max_ratio=3.0,
-                          **common)
+    raised = make_trainer(lr_trust_region_kl=10.0, lr_trust_region_max_ratio=3.0, **common)  # a δ no step reaches
     raised.train()
-    assert _factors(raised)[1:] == [3.0, 3.0]  # target: the too-low rate is raised, to its bound
+    assert _factors(raised)[1:] == [3.0, 3.0]  # the too-low rate is raised, to its bound
     smoothed = make_trainer(lr_trust_region_kl=1e-6, lr_trust_region_ema_decay=0.9, **common)
     assert smoothed.step_rate.trust_region.curvature.decay == 0.9
     measured = make_trainer(log_step_kl=True, lr_trust_region_kl=None, **common)
@@ -595,35 +566,31 @@ def test_a_sample_size_measures_the_step_on_that_many_completions(make_trainer):
 
 
 def test_measure_steps_measures_every_k_th_step_of_training(make_trainer):
-    """`lr_trust_region_measure_steps=2` (the target form per unit rate: no step after the probe, no short early
-    gaps): steps 1, 3 and 5 of 5 run the measuring forward and log their KL; steps 2 and 4 run at the factor the last
-    measurement set (constant schedule, no SNR factor: the same factor)."""
-    trainer = make_trainer(lr_trust_region_measure_steps=2, max_steps=5, lr_scheduler_type="constant",
-                           use_snr_lr=False, lr_trust_region_mode="target", lr_trust_region_curvature="per_rate")
-    assert trainer.step_rate.measure_every == 2
+    """`lr_trust_region_measure_steps=2` without the short early gaps: the probe, the step after it (whose reading
+    replaces the probe's) and then every 2nd step run the measuring forward and log their KL, steps 1, 2 and 4 of 5;
+    the card says what the run's rule measured."""
+    trainer = make_trainer(lr_trust_region_measure_steps=2, lr_trust_region_short_early_gaps=False, max_steps=5,
+                           lr_scheduler_type="constant", use_snr_lr=False)
+    assert (trainer.step_rate.measure_every, trainer.step_rate.short_early_gaps) == (2, False)
     trainer.train()
     logged = [h for h in trainer.state.log_history if "loss" in h]
-    assert all(h["grad_norm"] > 0 for h in logged)  # every step has a gradient: the cadence is 1, 3, 5
-    assert ["oblr/step_kl" in h for h in logged] == [True, False, True, False, True]
+    assert all(h["grad_norm"] > 0 for h in logged)  # every step has a gradient: the cadence is 1, 2, 4
+    assert ["oblr/step_kl" in h for h in logged] == [True, True, False, True, False]
     assert trainer.kl_recorder.measured_steps == 3
-    factors = _factors(trainer)
-    assert factors[0] == 0.01 and factors[2] == factors[1] and factors[4] == factors[3]
+    from oblr_trl.estimators.step_rate import RateRuleTuning, step_rate_rule
     from oblr_trl.training.run_records import card_settings
-    from oblr_trl.training.step_control import RateRuleTuning, step_rate_rule
 
     settings = card_settings(trainer.args, trainer.step_rate, 5, trainer.num_generations, trainer.reward_func_names)
-    assert "measured every 2 steps" in settings["learning-rate factor"]
-    assert "per unit of Adam's update" not in settings["learning-rate factor"]
+    assert ("δ = 0.005 per token at the schedule's peak (factor in [0.01, 10], curvature per unit of Adam's update, "
+            "measured every 2 steps)") in settings["learning-rate factor"]
     # the card reads the rule the run used, not the config: another rule, another sentence
-    tuning = dataclasses.replace(trainer.rate_tuning, lr_trust_region_curvature="per_update")
-    per_update = step_rate_rule(trainer.args, tuning)
-    assert "per unit of Adam's update, measured every 2 steps after gaps of 1, 2, 4" in card_settings(
-        trainer.args, per_update, 5, trainer.num_generations, trainer.reward_func_names)["learning-rate factor"]
-    # the card states the factor's range of the form the run used
-    assert "(`target`, factor in [0.01, 10]" in settings["learning-rate factor"]
-    capped = step_rate_rule(trainer.args, RateRuleTuning(lr_trust_region_mode="cap"))
-    assert "(`cap`, factor in [0.01, 1]" in card_settings(trainer.args, capped, 5, trainer.num_generations,
-                                                          trainer.reward_func_names)["learning-rate factor"]
+    shipped = step_rate_rule(trainer.args, dataclasses.replace(trainer.rate_tuning, lr_trust_region_max_ratio=3.0,
+                                                               lr_trust_region_short_early_gaps=True))
+    assert "factor in [0.01, 3], curvature per unit of Adam's update, measured every 2 steps after gaps of 1, 2, 4" in (
+        card_settings(trainer.args, shipped, 5, trainer.num_generations, trainer.reward_func_names)[
+            "learning-rate factor"])
+    assert "measured every" not in card_settings(trainer.args, step_rate_rule(trainer.args, RateRuleTuning(
+        lr_trust_region_measure_steps=1)), 5, trainer.num_generations, trainer.reward_func_names)["learning-rate factor"]
 
 
 def test_resume_restores_the_trust_region(make_trainer, tmp_path):

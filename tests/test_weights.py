@@ -119,6 +119,7 @@ def test_weights_from_generation_logits_match_a_forward_pass(make_trainer):
     class BothSourcesWeights(CompletionWeights):
         def compute(self, output, record, mode, measure=None):
             used = super().compute(output, record, mode, measure)  # takes the captured generation logits
+            assert record.take() == (None, None)  # nothing keeps them past the weights
             pairs.append((used, super().compute(output, None, mode)))  # runs a forward
             return used
 

@@ -195,6 +195,13 @@ class CalibrationWindow:
         self.signal_sum = self.signal_sq_sum = self.noise_sum = 0.0
         self.resolved = False
 
+    def open_after(self, estimates: int) -> None:
+        """Open the window after ``estimates`` estimates instead of ``start`` (known once training starts, as the
+        learning-rate warm-up is); what the window holds stays."""
+        if estimates < 0:
+            raise ValueError(f"a calibration window opens after >= 0 estimates; got {estimates}.")
+        self.start = estimates
+
     def update(self, estimate: NoiseEstimate) -> None:
         """Count a finite step estimate; fold it into the window once it is open and until it is resolved."""
         self.seen += 1
@@ -293,6 +300,11 @@ class SNRLearningRateController:
         self.calibration = CalibrationWindow(calibration_start, calibration_steps)
         self.min_ratio, self.max_ratio = min_ratio, max_ratio
         self.skipped = 0
+
+    def open_calibration_after(self, steps: int) -> None:
+        """The calibration window opens after ``steps`` estimates (the schedule's warm-up, say) and not before the
+        factor's own warm-up, so that f_ref is measured once the rate has reached its scheduled value."""
+        self.calibration.open_after(max(self.warmup_steps, steps))
 
     def update(self, estimate: NoiseEstimate) -> bool:
         """Fold one step's estimate into the averages; returns False (and counts it) if it was not finite."""

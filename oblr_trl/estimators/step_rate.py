@@ -1,4 +1,4 @@
-"""The learning rate of every optimizer step, decided in one place (docs/rate_rule.md).
+"""The learning rate of every optimizer step, decided and sequenced in one place (docs/rate_rule.md).
 
 The rate of step t is
 
@@ -7,55 +7,77 @@ The rate of step t is
 with ``scheduled_t`` the user's schedule (the scheduler never sees the two factors), f_t the SNR factor
 (`snr.SNRLearningRateController`, from the noise estimates of the steps before t: a batch's own noise does not size
 its own step) and g_t the trust-region factor (`trust_region.TrustRegionRate`, from the KL that earlier steps moved the
-policy by). [`StepRateRule`] owns every part of that decision:
+policy by, on the rate scheduled_t × f_t and the schedule's peak).
 
-* **before a step** (`begin_step`): f_t, then g_t on the rate scheduled_t × f_t and the schedule's peak; the probe
-  (g = r_min) until a step has moved the policy;
-* **the zero-gradient rule** (`note_grad_norm`): a step whose gradient is zero (every group scored alike) moves the
-  parameters by Adam's momentum alone, so it is never raised by the trust region (g ≤ 1); it is not folded into the
-  curvature either (`observe_step`), since momentum moves the policy far less than a gradient step of the same rate;
-* **when to measure** (`measurements_due`): the step KL on the first step, every ``measure_every``-th step with a
-  gradient after that, and every step while the rule has no curvature or only the probe's provisional reading; the
-  steps between use the curvature last measured, which is mostly noise from one step to the next anyway
+[`StepRateRule`] is driven like a learning-rate scheduler, by the trainer (`training.step_control`) and the synthetic
+testbed (benchmarks/synthetic_learning.py) alike; the caller says what it knows when it knows it:
+
+    factor = rule.begin_step(scheduled, peak)         # a step is about to run: its factor f × g
+    factor = rule.note_grad_norm(grad_norm)           # its gradient norm, where known before the optimizer steps
+    reading = rule.observe_noise(estimate, units)     # its noise estimate: f of the next step; the SNR reading
+    ...                                               # the optimizer steps at scheduled × factor
+    record = rule.end_step(lr, step_kl=..., update_mean_square=...)   # measures what it needs; a `StepRecord`
+
+and logs what the calls return. The parts of the decision:
+
+* **the probe**: g = r_min until a step has moved the policy (`TrustRegionRate`);
+* **the zero-gradient rule**: a step whose gradient is zero (every group scored alike) moves the parameters by Adam's
+  momentum alone, far less than a gradient step of the same rate, so it is never raised by the trust region (g ≤ 1:
+  raised, such steps drift a policy that has learned) and is not folded into the curvature (its KL/η² understates the
+  curvature the next gradient step meets);
+* **when to measure**: the step KL on the first step, every ``measure_every``-th step with a gradient after that, and
+  every step while the rule has no curvature or only the probe's provisional reading; the steps between use the
+  curvature last measured, which is mostly noise from one step to the next anyway
   (benchmarks/results/overhead/step_kl_sampling.md). With ``short_early_gaps`` the steps 1, 2, 4, … apart are measured
   before the gap reaches k, because the curvature falls fastest over a run's first steps
-  (benchmarks/results/stability/kl_prediction.md). Adam's update size is read where the curvature is per update;
-* **what was observed** (`observe_noise`, `observe_step`): the step's noise estimate, its KL and update size.
+  (benchmarks/results/stability/kl_prediction.md). Adam's update size is read after every step with a trust region
+  (the curvature is per unit of it) and beside every KL measured.
 
-The training layer measures what `measurements_due` asks for and applies `factor`; the synthetic testbed
-(benchmarks/synthetic_learning.py) runs the same object. Everything here is plain arithmetic on floats.
+[`RateRuleTuning`] holds the rule's constants and [`step_rate_rule`] builds the rule from the options. Everything here
+is plain arithmetic on floats.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
-from .snr import NoiseEstimate, SNRLearningRateController
+from .choices import SNR_LR_REFERENCES, check_one_of, invalid_value
+from .snr import NoiseEstimate, SNRLearningRateController, SNRReading
 from .trust_region import TrustRegionRate
 
-__all__ = ["StepMeasurements", "StepRateRule"]
+__all__ = ["RATE_RULE_OPTIONS", "RateRuleOptions", "RateRuleTuning", "StepRateRule", "StepRecord", "step_rate_rule"]
 
 
 @dataclass(frozen=True)
-class StepMeasurements:
-    """What to measure of the optimizer step that just ran.
+class StepRecord:
+    """What the rule did with one optimizer step, for the caller to log (`StepRateRule.end_step`).
 
     Attributes:
-        kl: its KL(π_t ‖ π_{t+1}) on its completions.
-        update_size: the mean square of Adam's update per unit rate (`trust_region.adam_update_square_sum`).
-        aimed_kl: the KL the curvature known before the step predicted for its rate (None while probing or without a
-            trust region).
+        lr: the rate the step used; None: the step was refused (nothing else of it is measured).
+        snr_factor: f, the SNR factor it ran with (None without an SNR factor).
+        trust_region_factor: g, the trust-region factor it ran with (None without a trust region).
+        aimed_kl: the KL the curvature known before the step predicted for its rate (None while probing, without a
+            trust region or on a refused step).
+        kl: its measured KL(π_t ‖ π_{t+1}) (None: not measured).
+        update_rms: the root mean square of Adam's update per unit rate (None: not read).
+        trust_region_rate: η_δ, the peak rate the trust region leaves for the next step (NaN before any reading; None
+            without a trust region or on a refused step).
     """
 
-    kl: bool
-    update_size: bool
-    aimed_kl: float | None
+    lr: float | None
+    snr_factor: float | None
+    trust_region_factor: float | None
+    aimed_kl: float | None = None
+    kl: float | None = None
+    update_rms: float | None = None
+    trust_region_rate: float | None = None
 
 
 class StepRateRule:
-    """The factor f_t × g_t of every optimizer step and the measurements it needs (module docstring).
+    """The factor f_t × g_t of every optimizer step, and the sequence of a step's measurements (module docstring).
 
     Args:
         snr: the SNR factor's controller; None: f = 1.
@@ -76,78 +98,96 @@ class StepRateRule:
         self.measure_every = measure_every if trust_region is not None else 1  # logging alone measures every step
         self.short_early_gaps = short_early_gaps
         self.next_snr_factor = 1.0  # f of the next step, from the estimates of the steps so far
-        self.unmeasured_steps = self.measure_every - 1  # steps with a gradient since the last measured: the first is due
+        self.unmeasured_steps = self.measure_every - 1  # gradient steps since the last measured: the first is due
         self.readings = 0  # measured gradient steps folded into the curvature after the probe: they set the `gap`
-        self.snr_part = self.trust_part = 1.0  # f and g of the current step
+        self._snr_factor = self._trust_factor = 1.0  # f and g of the current step
+        self._grad_norm: float | None = None  # of the current step, once noted (None: not known)
 
     @property
     def scales_rate(self) -> bool:
         """Whether any factor acts on the scheduled rate."""
         return self.snr is not None or self.trust_region is not None
 
-    @property
-    def factor(self) -> float:
-        """f × g of the current step."""
-        return self.snr_part * self.trust_part
-
     def open_calibration_after(self, steps: int) -> None:
-        """The SNR factor's calibration window opens after ``steps`` estimates (the schedule's warm-up, say) and not
-        before the factor's own warm-up, so that f_ref is measured once the rate has reached its scheduled value."""
+        """The SNR factor's calibration window opens after ``steps`` estimates (the schedule's warm-up, known when
+        training starts), not before the factor's own warm-up (`SNRLearningRateController.open_calibration_after`)."""
         if self.snr is not None:
-            self.snr.calibration.start = max(self.snr.warmup_steps, steps)
+            self.snr.open_calibration_after(steps)
 
     # Before a step ---------------------------------------------------------------------------------------------------
 
     def begin_step(self, scheduled_lr: float | None, peak_lr: float | None = None) -> float:
-        """The factor of the step about to run, at scheduled rate ``scheduled_lr`` with schedule peak ``peak_lr`` (the
-        rate the scheduler multiplies; ``scheduled_lr`` when None). ``scheduled_lr`` None (no optimizer yet): g = 1."""
-        self.snr_part = self.next_snr_factor if self.snr is not None else 1.0
-        self.trust_part = 1.0
+        """A step is about to run at scheduled rate ``scheduled_lr`` with schedule peak ``peak_lr`` (the rate the
+        scheduler multiplies; ``scheduled_lr`` when None): its factor f × g. ``scheduled_lr`` None (no optimizer yet):
+        g = 1."""
+        self._snr_factor = self.next_snr_factor if self.snr is not None else 1.0
+        self._trust_factor = 1.0
+        self._grad_norm = None
         if self.trust_region is not None and scheduled_lr is not None:
             peak = scheduled_lr if peak_lr is None else peak_lr
-            self.trust_part = self.trust_region.factor(scheduled_lr * self.snr_part, peak)
-        return self.factor
+            self._trust_factor = self.trust_region.factor(scheduled_lr * self._snr_factor, peak)
+        return self._snr_factor * self._trust_factor
 
-    def note_grad_norm(self, grad_norm: float | None) -> float:
-        """The step's pre-clip gradient norm, where it is known before the optimizer steps (None: unknown, as under
-        DeepSpeed); returns the step's factor. A zero gradient is never raised by the trust region: the target form
-        otherwise drifted a policy that had learned at up to r_max × the schedule by momentum alone until it
-        collapsed (CHANGELOG.md). Lowering stays: a step the curvature says is too large is too large with or without
-        a gradient."""
-        if grad_norm == 0.0 and self.trust_part > 1.0:
-            self.trust_part = 1.0
-        return self.factor
+    def note_grad_norm(self, grad_norm: float | None, *, stepped: bool = False) -> float:
+        """The step's pre-clip gradient norm (None: unknown); returns the step's factor. Before the optimizer steps, a
+        zero gradient is never raised by the trust region (module docstring); lowering stays, since a step the
+        curvature says is too large is too large with or without a gradient. ``stepped``: the optimizer has stepped
+        already (DeepSpeed steps inside the last backward, before the norm is known): the factor the step ran with
+        stands, and the norm decides only whether the step is measured and folded in."""
+        self._grad_norm = grad_norm
+        if not stepped and grad_norm == 0.0 and self._trust_factor > 1.0:
+            self._trust_factor = 1.0
+        return self._snr_factor * self._trust_factor
+
+    def observe_noise(self, estimate: NoiseEstimate | None, units: float) -> SNRReading | None:
+        """The step's ‖μ‖², tr Σ estimate (None: no independent pair; not finite: counted as skipped) over ``units``
+        samples: fixes the SNR factor of the next step. Returns the controller's reading for the log (None without an
+        SNR factor)."""
+        if self.snr is None:
+            return None
+        if estimate is not None:
+            self.snr.update(estimate)
+        self.next_snr_factor = self.snr.factor(units)
+        return self.snr.reading(units)
 
     # After a step ----------------------------------------------------------------------------------------------------
 
-    def observe_noise(self, estimate: NoiseEstimate | None, units: float) -> bool:
-        """The step's ‖μ‖², tr Σ estimate (None: no independent pair) over ``units`` samples; fixes the SNR factor of
-        the next step. Returns whether the estimate was folded in (None or not finite: not)."""
-        if self.snr is None:
-            return False
-        counted = estimate is not None and self.snr.update(estimate)
-        self.next_snr_factor = self.snr.factor(units)
-        return counted
+    def end_step(self, lr: float | None, *, step_kl: Callable[[bool], float | None] | None = None,
+                 update_mean_square: Callable[[], float | None] | None = None) -> StepRecord:
+        """The step ran at rate ``lr`` (None: refused, nothing moved): measure what the rule needs, fold it in, and
+        return what happened.
 
-    def measurements_due(self, lr: float, grad_norm: float | None) -> StepMeasurements:
-        """What to measure of the step that just ran at rate ``lr`` (applied: a refused step asks nothing) on a
-        gradient of norm ``grad_norm``; counts the step towards the next measurement."""
+        Args:
+            lr: the rate the step used, or None.
+            step_kl: ``measure ->`` the step's KL(π_t ‖ π_{t+1}) when ``measure`` (None where nothing was kept to
+                measure); called exactly once after every step of a rule that `measures_kl`, with False where no
+                measurement is due, so that what was kept for it can go. Needed where the rule measures the KL.
+            update_mean_square: ``->`` the mean square of Adam's update per unit rate of the step (None without
+                Adam's state); called, before ``step_kl``, after every step with a trust region and beside every KL
+                measured. Needed where the rule measures the KL.
+        """
+        f = self._snr_factor if self.snr is not None else None
+        g = self._trust_factor if self.trust_region is not None else None
+        if self.measures_kl and (step_kl is None or update_mean_square is None):
+            raise ValueError("a rule that measures the step KL needs `step_kl` and `update_mean_square`.")
+        if lr is None:
+            if self.measures_kl:
+                step_kl(False)
+            return StepRecord(lr=None, snr_factor=f, trust_region_factor=g)
         rule = self.trust_region
         aimed = rule.aimed_kl(lr) if rule is not None and not rule.probing else None
-        kl = self.measures_kl and self._kl_due(grad_norm)
-        return StepMeasurements(kl=kl, update_size=kl or (rule is not None and rule.per_update), aimed_kl=aimed)
-
-    def observe_step(self, lr: float, grad_norm: float | None, kl: float | None = None,
-                     update_mean_square: float | None = None) -> None:
-        """The step that just ran at rate ``lr`` moved the policy by ``kl`` (None: not measured), with Adam's update
-        per unit rate of mean square ``update_mean_square`` (None: not read). A step whose gradient is zero is not
-        folded in (module docstring)."""
-        rule = self.trust_region
-        if rule is None or grad_norm == 0.0:
-            return
-        rule.note_update(update_mean_square)
-        if kl is not None and rule.update(kl, lr) and not rule.probing:
-            self.readings += 1
+        kl_due = self.measures_kl and self._kl_due()
+        mean_square = update_mean_square() if kl_due or rule is not None else None
+        kl = step_kl(kl_due) if self.measures_kl else None
+        if rule is not None and self._grad_norm != 0.0:
+            rule.note_update(mean_square)
+            if kl is not None and rule.update(kl, lr) and not rule.probing:
+                self.readings += 1
+        return StepRecord(
+            lr=lr, snr_factor=f, trust_region_factor=g, aimed_kl=aimed, kl=kl,
+            update_rms=None if mean_square is None else math.sqrt(mean_square),
+            trust_region_rate=self.trust_region_rate,
+        )
 
     @property
     def trust_region_rate(self) -> float | None:
@@ -167,15 +207,15 @@ class StepRateRule:
             return self.measure_every
         return min(self.measure_every, 2 ** max(self.readings - 1, 0))
 
-    def _kl_due(self, grad_norm: float | None) -> bool:
+    def _kl_due(self) -> bool:
         """Whether the step just taken is measured (`gap`); counts it among the unmeasured otherwise. Until a measured
         step has moved the policy the rule has no curvature to size the steps in between with, so every step with a
-        gradient is measured: a warm-up that starts at rate 0 would otherwise hold the probe's factor for k steps; in
-        the ``"peak"`` form the step after the probe is measured too (`TrustRegionRate.needs_measurement`). A step
-        whose gradient is zero is not measured when k > 1 (it would not be folded in) and does not count."""
+        gradient is measured: a warm-up that starts at rate 0 would otherwise hold the probe's factor for k steps; the
+        step after the probe is measured too (`TrustRegionRate.needs_measurement`). A step whose gradient is zero is
+        not measured when k > 1 (it would not be folded in) and does not count."""
         if self.measure_every == 1:
             return True
-        if grad_norm == 0.0:
+        if self._grad_norm == 0.0:
             return False
         if self.unmeasured_steps + 1 >= self.gap or self.trust_region.needs_measurement:
             self.unmeasured_steps = 0
@@ -203,3 +243,70 @@ class StepRateRule:
             self.snr.load_state_dict(state["snr"])
         if self.trust_region is not None and "trust_region" in state:
             self.trust_region.load_state_dict(state["trust_region"])
+
+
+# The rule the options configure -----------------------------------------------------------------------------------
+
+
+class RateRuleOptions(Protocol):
+    """The options the rule is built from: fields of `OBLRPOOptions` (an `OBLRPOConfig` is one as it is)."""
+
+    use_snr_lr: bool
+    snr_lr_reference: str
+    lr_trust_region_kl: float | None
+    log_step_kl: bool
+
+
+RATE_RULE_OPTIONS = tuple(RateRuleOptions.__annotations__)  # their names
+
+
+@dataclass(frozen=True)
+class RateRuleTuning:
+    """The constants of the rate rule, at the values it ships with (docs/rate_rule.md gives the measurement behind
+    each). They are not configuration: the benchmarks' ablations vary them (`OBLRPOTrainer.rate_tuning`)."""
+
+    snr_ema_decay: float = 0.9  # β of the moving averages of ‖μ‖² and tr Σ
+    snr_warmup_steps: int = 5  # estimates seen before the SNR factor acts
+    snr_calibration_steps: int | None = None  # smallest calibration window; None: max(20, ⌈2/(1 − β)⌉)
+    snr_lr_min_ratio: float = 1.0  # the calibrated factor f_t / f_ref is clipped to [min, max]
+    snr_lr_max_ratio: float = 2.0
+    snr_lr_floor: float = 0.1  # smallest factor of the `absolute` reference
+    lr_trust_region_min_ratio: float = 0.01  # smallest trust-region factor, and the probe's
+    lr_trust_region_max_ratio: float = 10.0
+    lr_trust_region_ema_decay: float = 0.5  # of the curvature's moving average
+    lr_trust_region_measure_steps: int = 16  # measure every k-th step with a gradient
+    lr_trust_region_short_early_gaps: bool = True  # before every k-th, measure 1, 2, 4, … steps apart
+
+    @classmethod
+    def split(cls, settings: dict) -> tuple[RateRuleTuning, dict]:
+        """``settings`` as the constants among them and the rest (config fields): ``(tuning, rest)``."""
+        tuning = cls(**{key: value for key, value in settings.items() if key in cls.__dataclass_fields__})
+        return tuning, {key: value for key, value in settings.items() if key not in cls.__dataclass_fields__}
+
+    @property
+    def resolved_snr_calibration_steps(self) -> int:
+        if self.snr_calibration_steps is not None:
+            return self.snr_calibration_steps
+        return max(20, math.ceil(round(2.0 / (1.0 - self.snr_ema_decay), 6)))
+
+
+def step_rate_rule(options: RateRuleOptions, tuning: RateRuleTuning = RateRuleTuning()) -> StepRateRule:
+    """The rate rule the options configure, with the constants of ``tuning`` (the calibration window opens after
+    `snr_warmup_steps`; the trainer moves it past the learning-rate warm-up when training starts). Raises ValueError
+    naming an option whose value the rule cannot take."""
+    check_one_of("snr_lr_reference", options.snr_lr_reference, SNR_LR_REFERENCES)
+    kl = options.lr_trust_region_kl
+    if kl is not None and (isinstance(kl, bool) or not isinstance(kl, (int, float)) or not math.isfinite(kl)
+                           or kl <= 0):
+        raise invalid_value("lr_trust_region_kl", kl, "None or a finite float > 0")
+    snr = SNRLearningRateController(
+        tuning.snr_ema_decay, tuning.snr_warmup_steps, tuning.snr_lr_floor, reference=options.snr_lr_reference,
+        calibration_start=tuning.snr_warmup_steps, calibration_steps=tuning.resolved_snr_calibration_steps,
+        min_ratio=tuning.snr_lr_min_ratio, max_ratio=tuning.snr_lr_max_ratio,
+    ) if options.use_snr_lr else None
+    trust_region = None if kl is None else TrustRegionRate(
+        kl, tuning.lr_trust_region_ema_decay, tuning.lr_trust_region_min_ratio, tuning.lr_trust_region_max_ratio,
+    )
+    return StepRateRule(snr, trust_region, log_kl=options.log_step_kl,
+                        measure_every=tuning.lr_trust_region_measure_steps,
+                        short_early_gaps=tuning.lr_trust_region_short_early_gaps)

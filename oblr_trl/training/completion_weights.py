@@ -1,17 +1,18 @@
 """Where each completion's weight w_i comes from, for the trainer's gradient-weighted baseline (docs/math.md).
 
 [`CompletionWeights`] is the trainer's collaborator for the weights, as `StepNoiseRecorder` is for the SNR: it holds
-what the weights need across a generation batch (the fused LM-head forward that also returns log Σ_v p², the logits
-captured during generation, whether ghost norms run on this model) and turns a generation batch into one weight per
-completion with the pure functions of `estimators.weights`, `estimators.ghost_norms` and `estimators.per_sample`. It
-also measures the per-sample gradient norms the `per_sample` SNR estimator asks for, through the same code.
+what the weights need across generation batches (the fused LM-head forward that also returns log Σ_v p², whether ghost
+norms run on this model) and turns a generation batch into one weight per completion with the pure functions of
+`estimators.weights`, `estimators.ghost_norms` and `estimators.per_sample`. It also measures the per-sample gradient
+norms the `per_sample` SNR estimator asks for, through the same code.
 
 It never sees the trainer: the trainer hands it the functions and values it uses (TRL's forward, the model, the
 metrics, how generation and TRL's own forwards run), in one place, `OBLRPOTrainer.__init__`.
 
 Sources of the `logit` weights' inputs, cheapest first: the logits transformers' `generate` computed anyway
 (`GenerationLogitStats`); TRL's own no-grad forward (old log-probabilities), recorded while it runs; one chunked
-no-grad forward of its own (logged as `oblr/weights/extra_forward`).
+no-grad forward of its own (logged as `oblr/weights/extra_forward`). The first two are collected per generation batch
+in a [`LogitSources`] that `CompletionWeights.generation_batch` opens and yields, and `compute` takes them from it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import contextlib
 import math
 import warnings
 from collections.abc import Callable, Mapping, MutableMapping
+from dataclasses import dataclass
 from typing import Any
 
 import psutil
@@ -33,7 +35,7 @@ from ..estimators.weights import length_weights, logit_proxy_weights, loss_token
 from .generation_hooks import GenerationLogitStats
 from .step_kl import select_rows
 
-__all__ = ["CompletionWeights", "initialise_fsdp2_root", "reshard_fsdp2"]
+__all__ = ["CompletionWeights", "LogitSources", "initialise_fsdp2_root", "reshard_fsdp2"]
 
 # Keys of TRL's generation output that its per-token forward (`token_forward`) takes as keyword arguments.
 _MULTIMODAL_KEYS = (
@@ -90,6 +92,28 @@ def reshard_fsdp2(model: torch.nn.Module) -> None:
             module.reshard()
 
 
+@dataclass
+class LogitSources:
+    """What one generation batch already computed that the `logit` weights can read instead of a forward of their own.
+
+    Filled by `CompletionWeights` while the batch is generated and scored (`CompletionWeights.generation_batch`), and
+    emptied by `take`, which `compute` calls: the values are not kept past the weights they are read for.
+
+    Attributes:
+        generation: ``(log_probs, log_sum_sq)``, ``(B, steps)``, read off the logits of the batch's generation call.
+        trl_forward: the ``(log_probs, log_sum_sq)`` chunks of TRL's own no-grad forward of the batch, as it ran.
+    """
+
+    generation: tuple[torch.Tensor, torch.Tensor] | None = None
+    trl_forward: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def take(self) -> tuple[tuple[torch.Tensor, torch.Tensor] | None, list[tuple[torch.Tensor, torch.Tensor]] | None]:
+        """``(generation, trl_forward)``, and forget both."""
+        taken = self.generation, self.trl_forward
+        self.generation = self.trl_forward = None
+        return taken
+
+
 class CompletionWeights:
     """The weights w_i of a generation batch (`compute`) and per-sample gradient norms (`grad_sq_norms`).
 
@@ -135,7 +159,7 @@ class CompletionWeights:
         self.trl_computes_old_log_probs = trl_computes_old_log_probs
         self.sharded, self.gather, self.autocast = sharded, gather, autocast
         self.log_sum_sq_forward = self._make_log_sum_sq_forward() if self.args.baseline_weights == "logit" else None
-        self.generation_logits: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._open_batch: LogitSources | None = None  # the generation batch being generated (`generation_batch`)
         self.ghost_norms_unsupported: str | None = None  # why ghost norms cannot run on this model, once known
         self._warned_no_reuse = False
 
@@ -180,16 +204,32 @@ class CompletionWeights:
         # them over (or interleave tool tokens), so those paths use a forward pass instead.
         return self.log_sum_sq_forward is not None and self.generation_hands_logits
 
+    @contextlib.contextmanager
+    def generation_batch(self):
+        """The scope of one generation batch (TRL's `_generate_and_score_completions`): yields its `LogitSources`,
+        filled while the block runs by `generate_capturing_logits` and, where the weights reuse it
+        (`reuses_trl_forward`), by TRL's own no-grad forward; pass them to `compute` once the block has ended."""
+        sources = LogitSources()
+        self._open_batch = sources
+        try:
+            with self.recording_log_sum_sq() if self.reuses_trl_forward() else contextlib.nullcontext() as record:
+                sources.trl_forward = record
+                yield sources
+        finally:
+            self._open_batch = None
+
     def generate_capturing_logits(self, generate: Callable[[], tuple[list, Any]]) -> tuple[list, Any]:
-        """Run one generation call (``generate()`` → completion ids, log-probs) and collect the logit-proxy inputs
-        from the logits it computes, where it can."""
-        stats = GenerationLogitStats(self.policy, self.temperature) if self.captures_generation_logits() else None
+        """Run one generation call (``generate()`` → completion ids, log-probs) and, where it can, keep the
+        logit-proxy inputs read off the logits it computes in the `LogitSources` of the open `generation_batch`."""
+        sources = self._open_batch
+        capture = sources is not None and self.captures_generation_logits()
+        stats = GenerationLogitStats(self.policy, self.temperature) if capture else None
         completion_ids = None
         try:
             completion_ids, logprobs = generate()
         finally:
             if stats is not None:
-                self.generation_logits = stats.finish(completion_ids or [])
+                sources.generation = stats.finish(completion_ids or [])
         return completion_ids, logprobs
 
     def reuses_trl_forward(self) -> bool:
@@ -203,9 +243,12 @@ class CompletionWeights:
     # The weights -----------------------------------------------------------------------------------------------------
 
     def compute(
-        self, output: dict[str, Any], record: list | None, mode: str, measure: torch.Tensor | None = None
+        self, output: dict[str, Any], sources: LogitSources | None, mode: str, measure: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Local weights w_i, one per completion of this process (docs/math.md).
+
+        ``sources``: what the batch's generation and TRL's forward computed (`generation_batch`), taken for the
+        `logit` weights; None: the `logit` weights run a forward of their own.
 
         Each token's gradient enters the loss times a gain: the IS ratio ρ_t (vLLM correction) and the loss type's
         per-completion factor (1/L_i for a per-completion token mean); squared norms take the gains squared.
@@ -222,11 +265,13 @@ class CompletionWeights:
         if estimator == "length":
             return length_weights(mask, gains.square())
         if estimator == "logit":
-            log_probs, log_sum_sq = self.logit_inputs(output, record, mode)
+            log_probs, log_sum_sq = self.logit_inputs(output, sources, mode)
             return logit_proxy_weights(log_probs, log_sum_sq, mask, gains.square())
         return self.exact_weights(output, mask.float() * gains, measure)
 
-    def exact_weights(self, batch: dict[str, Any], token_scale: torch.Tensor, measure: torch.Tensor | None) -> torch.Tensor:
+    def exact_weights(
+        self, batch: dict[str, Any], token_scale: torch.Tensor, measure: torch.Tensor | None
+    ) -> torch.Tensor:
         """`grad_sq_norms` of the completions in ``measure`` (all if None), NaN for the others.
 
         Under FSDP2 every process must run the same ghost-norm passes (each all-gathers the parameters layer by
@@ -247,15 +292,18 @@ class CompletionWeights:
             weights[index[:measured]] = self.grad_sq_norms(subset, scale)[:measured]
         return weights
 
-    def logit_inputs(self, output: dict[str, Any], record: list | None, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    def logit_inputs(
+        self, output: dict[str, Any], sources: LogitSources | None, mode: str
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """log p_t(y_t) and log Σ_v p_t(v)² of the completion tokens, ``(B, T)`` like ``completion_ids``.
 
-        From the logits generation already computed if they were captured, else from TRL's own no-grad forward if it
-        ran one, else from one chunked no-grad forward of our own (logged as `oblr/weights/extra_forward`).
+        From the logits generation already computed if ``sources`` has them, else from TRL's own no-grad forward if
+        ``sources`` recorded one, else from one chunked no-grad forward of our own (logged as
+        `oblr/weights/extra_forward`). Takes what it reads out of ``sources``.
         """
         metrics = self.metrics[mode]
         completion_ids = output["completion_ids"]
-        captured, self.generation_logits = self.generation_logits, None
+        captured, record = sources.take() if sources is not None else (None, None)
         if captured is not None and captured[0].size(0) == completion_ids.size(0):
             metrics["oblr/weights/extra_forward"].append(0.0)
             return tuple(_fit_width(t, completion_ids.size(1)) for t in captured)
@@ -300,7 +348,8 @@ class CompletionWeights:
         (`looped_grad_sq_norms`), after one warning naming the layer: slower, never wrong, never an error.
         """
         input_ids, attention_mask, logits_to_keep = sequence_inputs(batch)
-        size = self.args.per_sample_batch_size or self._forward_batch_size("train" if self.model().training else "eval")
+        mode = "train" if self.model().training else "eval"
+        size = self.args.per_sample_batch_size or self._forward_batch_size(mode)
         if self.ghost_norms_unsupported is None:
             initialise_fsdp2_root(self.model())
             try:
@@ -312,7 +361,8 @@ class CompletionWeights:
                     self.policy, self.args.gradient_checkpointing_kwargs
                 )
                 with keep_checkpointing, self.autocast():
-                    rows = size if self.args.per_sample_batch_size else self.rows_per_pass(input_ids, size, len(layers))
+                    rows = (size if self.args.per_sample_batch_size
+                            else self.rows_per_pass(input_ids, size, len(layers)))
                     return torch.cat(
                         [
                             log_likelihood_grad_sq_norms(

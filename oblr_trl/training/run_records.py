@@ -32,7 +32,6 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 
 from ..estimators.step_rate import StepRateRule
-from ..estimators.trust_region import largest_factor
 from .guards import PreemptionSignal, TrainingPreempted
 from .model_card import TOTAL_RUNTIME_KEY, ModelCardFacts, counted, model_card_text
 
@@ -244,9 +243,8 @@ def rate_rule_description(rule: StepRateRule, snr_estimator: str) -> str:
         description = f"absolute SNR factor, floor {snr.floor:g} (`{snr_estimator}` estimator)"
     if trust is not None:
         gaps = " after gaps of 1, 2, 4, …" if rule.short_early_gaps else ""
-        description += (f"; trust region δ = {trust.target_kl:g} per token (`{trust.mode}`, factor in "
-                        f"[{trust.min_ratio:g}, {largest_factor(trust.mode, trust.max_ratio):g}]"
-                        + (", curvature per unit of Adam's update" if trust.per_update else "")
+        description += (f"; trust region δ = {trust.target_kl:g} per token at the schedule's peak (factor in "
+                        f"[{trust.min_ratio:g}, {trust.max_ratio:g}], curvature per unit of Adam's update"
                         + (f", measured every {rule.measure_every} steps{gaps})" if rule.measure_every > 1 else ")"))
     return description
 

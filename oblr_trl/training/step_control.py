@@ -1,15 +1,15 @@
 """Each optimizer step's learning-rate factor applied, the measurements its rule asks for, and whether the step runs.
 
 [`OptimizerStepControl`] is the training-layer side of `estimators.step_rate.StepRateRule`, which decides the rate
-of every step (lr = scheduled × f × g; the scheduler never sees the factor): it hands the rule the schedule's rate and
-peak before a step's first micro-batch (DeepSpeed steps inside the last `backward`, before the step's own statistics
-exist), its gradient norm, noise estimate, KL and Adam's update size after it, and applies the rule's factor through
-the two hooks of `training.optim_hooks` on the innermost torch optimizer (once per optimizer object; DeepSpeed builds
-its own in `prepare`). It refuses a step whose loss, gradient norm or factor is not finite on any process, and logs
-the factor of an applied step or the skip of a refused one, once per step (DeepSpeed's ZeRO optimizers call the
-torch optimizer's `step` once per param group). The rate used is logged as `oblr/lr`.
-
-`step_rate_rule` builds the rule from the options, for the trainer and the synthetic testbed alike.
+of every step (lr = scheduled × f × g; the scheduler never sees the factor) and sequences its measurements. It drives
+the rule through a step as the rule's caller: the schedule's rate and peak before the step's first micro-batch
+(DeepSpeed steps inside the last `backward`, before the step's own statistics exist), its gradient norm and noise
+estimate when the Trainer has them, and after the step the measurements the rule asks for (the step's KL, through the
+function it is handed, and Adam's update size, over every process). It applies the factor through the two hooks of
+`training.optim_hooks` on the innermost torch optimizer (once per optimizer object; DeepSpeed builds its own in
+`prepare`), refuses a step whose loss, gradient norm or factor is not finite on any process, and logs what the rule's
+calls return: the SNR reading, and once per step the factor of an applied step (`oblr/lr`, the rate used) or the skip
+of a refused one (DeepSpeed's ZeRO optimizers call the torch optimizer's `step` once per param group).
 """
 
 from __future__ import annotations
@@ -17,70 +17,15 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, MutableMapping
-from dataclasses import dataclass
 
 import torch
 
-from ..estimators.choices import TRUST_REGION_CURVATURES, TRUST_REGION_MODES
-from ..estimators.snr import NoiseEstimate, SNRLearningRateController, gradient_noise_scale
+from ..estimators.snr import NoiseEstimate, gradient_noise_scale
 from ..estimators.step_rate import StepRateRule
-from ..estimators.trust_region import TrustRegionRate, adam_update_square_sum
+from ..estimators.trust_region import adam_update_square_sum
 from .optim_hooks import OptimizerStepGate, StepLearningRateScale, innermost_optimizer
-from .options import OBLRPOOptions, check_one_of
 
-__all__ = ["OptimizerStepControl", "RateRuleTuning", "step_rate_rule"]
-
-
-@dataclass(frozen=True)
-class RateRuleTuning:
-    """The constants of the rate rule, at the values it ships with (docs/rate_rule.md gives the measurement behind
-    each). They are not configuration: the benchmarks' ablations vary them (`OBLRPOTrainer.rate_tuning`)."""
-
-    snr_ema_decay: float = 0.9  # β of the moving averages of ‖μ‖² and tr Σ
-    snr_warmup_steps: int = 5  # estimates seen before the SNR factor acts
-    snr_calibration_steps: int | None = None  # smallest calibration window; None: max(20, ⌈2/(1 − β)⌉)
-    snr_lr_min_ratio: float = 1.0  # the calibrated factor f_t / f_ref is clipped to [min, max]
-    snr_lr_max_ratio: float = 2.0
-    snr_lr_floor: float = 0.1  # smallest factor of the `absolute` reference
-    lr_trust_region_mode: str = "peak"  # `cap` and `target`: the forms before the peak form (CHANGELOG.md)
-    lr_trust_region_min_ratio: float = 0.01  # smallest trust-region factor, and the probe's
-    lr_trust_region_max_ratio: float = 10.0
-    lr_trust_region_ema_decay: float = 0.5  # of the curvature's moving average
-    lr_trust_region_curvature: str = "per_update"  # `per_rate`: KL/lr² alone
-    lr_trust_region_measure_steps: int = 16  # measure every k-th step with a gradient
-
-    @classmethod
-    def split(cls, settings: dict) -> tuple[RateRuleTuning, dict]:
-        """``settings`` as the constants among them and the rest (config fields): ``(tuning, rest)``."""
-        tuning = cls(**{key: value for key, value in settings.items() if key in cls.__dataclass_fields__})
-        return tuning, {key: value for key, value in settings.items() if key not in cls.__dataclass_fields__}
-
-    def __post_init__(self):
-        check_one_of("lr_trust_region_mode", self.lr_trust_region_mode, TRUST_REGION_MODES)
-        check_one_of("lr_trust_region_curvature", self.lr_trust_region_curvature, TRUST_REGION_CURVATURES)
-
-    @property
-    def resolved_snr_calibration_steps(self) -> int:
-        if self.snr_calibration_steps is not None:
-            return self.snr_calibration_steps
-        return max(20, math.ceil(round(2.0 / (1.0 - self.snr_ema_decay), 6)))
-
-
-def step_rate_rule(options: OBLRPOOptions, tuning: RateRuleTuning = RateRuleTuning()) -> StepRateRule:
-    """The rate rule the options configure, with the constants of ``tuning`` (the calibration window opens after
-    `snr_warmup_steps`; the trainer moves it past the learning-rate warm-up when training starts)."""
-    snr = SNRLearningRateController(
-        tuning.snr_ema_decay, tuning.snr_warmup_steps, tuning.snr_lr_floor, reference=options.snr_lr_reference,
-        calibration_start=tuning.snr_warmup_steps, calibration_steps=tuning.resolved_snr_calibration_steps,
-        min_ratio=tuning.snr_lr_min_ratio, max_ratio=tuning.snr_lr_max_ratio,
-    ) if options.use_snr_lr else None
-    per_update = tuning.lr_trust_region_curvature == "per_update"
-    trust_region = None if options.lr_trust_region_kl is None else TrustRegionRate(
-        options.lr_trust_region_kl, tuning.lr_trust_region_mode, tuning.lr_trust_region_ema_decay,
-        tuning.lr_trust_region_min_ratio, tuning.lr_trust_region_max_ratio, per_update=per_update,
-    )
-    return StepRateRule(snr, trust_region, log_kl=options.log_step_kl,
-                        measure_every=tuning.lr_trust_region_measure_steps, short_early_gaps=per_update)
+__all__ = ["OptimizerStepControl"]
 
 
 class OptimizerStepControl:
@@ -89,7 +34,7 @@ class OptimizerStepControl:
     Args:
         accelerator: the Trainer's accelerator (device, processes, gather, reduce).
         metrics: where the step's factor, measurements and skips are logged (the trainer's train metrics).
-        rule: decides each step's factor and what to measure (`step_rate_rule`).
+        rule: decides each step's factor and what to measure (`estimators.step_rate.step_rate_rule`).
         gate: refuse non-finite steps (`skip_nonfinite_steps`).
         current_step: the optimizer steps done so far, for the warning of a skipped step.
         step_kl: ``measure ->`` the KL of the step that just ran (None: nothing measured), which also forgets its
@@ -132,7 +77,7 @@ class OptimizerStepControl:
         if self.gate:
             self.step_gate = OptimizerStepGate(optimizer, self._allowed, self._log_skipped)
         if self.rule.scales_rate:
-            self.lr_scale = StepLearningRateScale(optimizer, lambda: self.factor, self._log_factor)
+            self.lr_scale = StepLearningRateScale(optimizer, lambda: self.factor, self._note_scaled)
 
     # Before the step -------------------------------------------------------------------------------------------------
 
@@ -149,29 +94,30 @@ class OptimizerStepControl:
         self.grad_norm_finite = True
         self.grad_norm: float | None = None  # None: not known before the step
         self._allowed_now: bool | None = None
-        self._logged = False  # the factor of an applied step, or the skip of a refused one
+        self._logged = False  # the skip of a refused step (DeepSpeed refuses it once per param group)
 
     def note_loss(self, loss: torch.Tensor) -> None:
         """A training micro-batch's loss (kept on its device: no sync per micro-batch)."""
         self.loss_finite = self.loss_finite.to(loss.device) & torch.isfinite(loss.detach()).all()
 
     def note_grad_norm(self, grad_norm) -> None:
-        """The step's pre-clip gradient norm, where it is known before the step (DeepSpeed computes it inside): the
-        rule may amend the step's factor (`StepRateRule.note_grad_norm`)."""
+        """The step's pre-clip gradient norm: before the step the rule may amend its factor; under DeepSpeed, which
+        computes the norm inside its step, the step has run by now (its hooks have) and the factor stands
+        (`StepRateRule.note_grad_norm`)."""
         self.grad_norm = None if grad_norm is None else float(grad_norm)
         self.grad_norm_finite = self.grad_norm is None or math.isfinite(self.grad_norm)
-        self.factor = self.rule.note_grad_norm(self.grad_norm)
+        stepped = self._allowed_now is not None or self._scaled_lr is not None
+        self.factor = self.rule.note_grad_norm(self.grad_norm, stepped=stepped)
 
     # After the step --------------------------------------------------------------------------------------------------
 
     def observe_noise(self, estimate: NoiseEstimate | None, units: float, samples: float) -> None:
         """The step's noise estimate over ``units`` samples of the estimator (``samples`` completions): the rule fixes
-        the next step's SNR factor; its smoothed state is logged."""
-        rule, metrics = self.rule, self.metrics
-        rule.observe_noise(estimate, units)
-        if rule.snr is None:
+        the next step's SNR factor; the SNR reading it returns is logged."""
+        reading = self.rule.observe_noise(estimate, units)
+        if reading is None:
             return
-        reading = rule.snr.reading(units)
+        metrics = self.metrics
         metrics["snr/skipped_steps"].append(float(reading.skipped))
         metrics["snr/grad_sq_norm_ema"].append(reading.grad_sq_norm)
         metrics["snr/trace_cov_ema"].append(reading.trace_cov)
@@ -190,28 +136,24 @@ class OptimizerStepControl:
             metrics["snr/reference_factor"].append(reading.reference_factor)
 
     def after_step(self) -> None:
-        """The optimizer step ran (or was refused): measure what the rule asks for, log it and hand it to the rule."""
-        if self.step_kl is None:
-            return
-        lr = self.applied_lr
-        if lr is None:  # refused on every process alike: no move to measure
-            self.step_kl(False)
-            return
-        rule, metrics = self.rule, self.metrics
-        due = rule.measurements_due(lr, self.grad_norm)
-        if due.aimed_kl is not None:  # what the curvature known before the step predicted, beside what it did
-            metrics["oblr/step_kl_target"].append(due.aimed_kl)
-        # Adam's update size: every step where the rule reads per update, else only beside a measurement (its
-        # collective and host sync stay off the steps that measure nothing)
-        mean_square = self._update_mean_square() if due.update_size else None
-        if mean_square is not None:
-            metrics["oblr/update_rms"].append(math.sqrt(mean_square))
-        kl = self.step_kl(due.kl)
-        if kl is not None:
-            metrics["oblr/step_kl"].append(kl)
-        rule.observe_step(lr, self.grad_norm, kl, mean_square)
-        if rule.trust_region_rate is not None:  # the rate the rule leaves for the next step
-            metrics["oblr/trust_region_rate"].append(rule.trust_region_rate)
+        """The optimizer step ran (or was refused): the rule measures what it asks for (`StepRateRule.end_step`) and
+        what it returns is logged."""
+        record = self.rule.end_step(self.applied_lr, step_kl=self.step_kl, update_mean_square=self._update_mean_square)
+        metrics = self.metrics
+        if self._scaled_lr is not None:  # the factor acted on a step that ran
+            if record.snr_factor is not None:
+                metrics["snr/lr_factor"].append(record.snr_factor)
+            if record.trust_region_factor is not None:
+                metrics["oblr/trust_region_factor"].append(record.trust_region_factor)
+            metrics["oblr/lr"].append(record.lr)
+        if record.aimed_kl is not None:  # what the curvature known before the step predicted, beside what it did
+            metrics["oblr/step_kl_target"].append(record.aimed_kl)
+        if record.update_rms is not None:
+            metrics["oblr/update_rms"].append(record.update_rms)
+        if record.kl is not None:
+            metrics["oblr/step_kl"].append(record.kl)
+        if record.trust_region_rate is not None:  # the rate the rule leaves for the next step
+            metrics["oblr/trust_region_rate"].append(record.trust_region_rate)
 
     def _update_mean_square(self) -> float | None:
         """The mean square of the step's update per unit rate over every process's coordinates (one collective on
@@ -224,7 +166,7 @@ class OptimizerStepControl:
         total, count = self.accelerator.reduce(local, reduction="sum").tolist()
         return total / count if count > 0 else None
 
-    # The gate and the log --------------------------------------------------------------------------------------------
+    # The gate and the hooks' notes -----------------------------------------------------------------------------------
 
     def _allowed(self) -> bool:
         """Every process agrees: the step's losses, gradient norm and factor are all finite."""
@@ -250,16 +192,9 @@ class OptimizerStepControl:
             f"factor ({self.skipped} skipped so far). The parameters and optimizer state are unchanged."
         )
 
-    def _log_factor(self, scheduled_lr: float, factor: float) -> None:
-        if self._logged:
-            return
-        self._logged = True
-        self._scaled_lr = scheduled_lr * factor
-        if self.rule.snr is not None:
-            self.metrics["snr/lr_factor"].append(self.rule.snr_part)
-        if self.rule.trust_region is not None:
-            self.metrics["oblr/trust_region_factor"].append(self.rule.trust_part)
-        self.metrics["oblr/lr"].append(self._scaled_lr)
+    def _note_scaled(self, scheduled_lr: float, factor: float) -> None:
+        if self._scaled_lr is None:  # the first of DeepSpeed's calls, one per param group
+            self._scaled_lr = scheduled_lr * factor
 
     @property
     def applied_lr(self) -> float | None:

@@ -8,8 +8,8 @@ KL(π_t ‖ π_{t+1}) and the token counts over processes (one collective): the 
 
 By default every token of the step counts; it costs one no-grad forward of the step's completions, as TRL's own
 old-log-probability pass does when `num_iterations > 1`. With a sample size n, the forward runs on n of the
-step's completions only, drawn uniformly without replacement over every process's completions of the step (the same draw
-in any process layout: a permutation of the step's global row order seeded by the run's seed and the step), and the
+step's completions only, drawn uniformly without replacement over every process's completions of the step (the same
+draw in any process layout: a permutation of the step's global row order seeded by the run's seed and the step), and the
 KL is the mean per token over the sampled completions' tokens. Either way the measurement does not depend on how the
 step is split into micro-batches and processes (2 processes measure what 1 does). A sample is measured in one forward
 per process, its drawn rows of every micro-batch together (a forward of a few rows costs about what a forward of one

@@ -76,7 +76,8 @@ class StepNoiseRecorder:
         self.sketch = GradientSketch(shapes, seed=seed) if estimator == "cross_step" else None
         self.sketch_at_step_end = self.sketch is not None and (sharded or gradients_in_grad)
         needs_hooks = not sharded and (estimator != "cross_step" or not gradients_in_grad)
-        self.hooks = MicroBatchGradSqNorms(params, None if self.sketch_at_step_end else self.sketch) if needs_hooks else None
+        hooked_sketch = None if self.sketch_at_step_end else self.sketch
+        self.hooks = MicroBatchGradSqNorms(params, hooked_sketch) if needs_hooks else None
         self.generation = 0  # training generation batches so far; two steps pair when they share none
         self.previous: tuple[torch.Tensor, set[int]] | None = None  # the last step's sketch and generation batches
         self._start_step()

@@ -33,13 +33,14 @@ from ..estimators.advantages import (
     rows_whose_weights_matter,
 )
 from ..estimators.baselines import PooledSlope
+from ..estimators.step_rate import RateRuleTuning, step_rate_rule
 from . import models
 from .completion_weights import CompletionWeights, loss_mask, reshard_fsdp2
 from .config import OBLRPOConfig, check_backend, deepspeed_fp16
 from .generation_hooks import empty_completions_as_eos
 from .guards import check_prompt_lengths, checked_reward_funcs
 from .run_records import RunDescription, RunRecords
-from .step_control import OptimizerStepControl, RateRuleTuning, step_rate_rule
+from .step_control import OptimizerStepControl
 from .vllm_colocate import ColocatedVLLMSetup
 from .step_kl import StepKLRecorder
 from .step_noise import StepNoiseRecorder, loss_scale
@@ -107,8 +108,11 @@ class OBLRPOTrainer(ColocatedVLLMSetup, GRPOTrainer):
     ```
 
     Args:
-        model, reward_funcs, **kwargs: as for [`~trl.GRPOTrainer`].
+        model, reward_funcs, **kwargs: as for [`~trl.GRPOTrainer`]; `model` also takes `builtin:smollm2-135m-instruct`.
         args ([`OBLRPOConfig`], *optional*): configuration; a default one is built when `None`.
+        recipe (`str`, *optional*): the YAML recipe the run was configured from, quoted in the model card.
+        dataset_id (`str`, *optional*): the Hub dataset trained on, linked from the model card.
+        dataset_description (`str`, *optional*): one line saying where the problems come from, for the model card.
     """
 
     _tag_names = ["trl", "oblr-po"]
@@ -128,11 +132,12 @@ class OBLRPOTrainer(ColocatedVLLMSetup, GRPOTrainer):
     weights_class = CompletionWeights  # where the weights come from (a subclass can observe or replace them)
     rate_tuning = RateRuleTuning()  # the rate rule's constants (the benchmarks' ablations set their own)
 
-    def __init__(self, model, reward_funcs=None, args: OBLRPOConfig | None = None, *trainer_args, **trainer_kwargs):
-        base_model_id = None
+    def __init__(self, model, reward_funcs=None, args: OBLRPOConfig | None = None, *trainer_args,
+                 recipe: str | None = None, dataset_id: str | None = None, dataset_description: str | None = None,
+                 **trainer_kwargs):
+        base_model_id = models.model_card_id(model) if isinstance(model, str) else None
         if isinstance(model, str) and model.startswith(models.BUILTIN_PREFIX):  # the ids `oblr-trl train` accepts
-            name, path = model[len(models.BUILTIN_PREFIX):], models.resolve_model(model, option="`model`")
-            base_model_id, model = models.model_card_id(model), path
+            name, model = model[len(models.BUILTIN_PREFIX):], models.resolve_model(model, option="`model`")
         else:
             name = model if isinstance(model, str) else get_config_model_id(model.config)
         if args is None:
@@ -148,12 +153,10 @@ class OBLRPOTrainer(ColocatedVLLMSetup, GRPOTrainer):
         )
         super().__init__(model, reward_funcs, args, *trainer_args, **trainer_kwargs)
         self._check_supported(args)
-        # what the model card cannot read from the model and the data (set by `oblr-trl train`): the YAML recipe, the
-        # base model's Hub id (a built-in model is a local folder), the Hub dataset and where the problems came from
-        self.recipe: str | None = None
-        self.base_model_id: str | None = base_model_id
-        self.dataset_id: str | None = None
-        self.dataset_description: str | None = None
+        # what the model card cannot read from the model and the data (`oblr-trl train` passes them): the YAML recipe,
+        # the base model's Hub id (a built-in model is a local folder), the Hub dataset and where the problems came from
+        self.recipe, self.base_model_id = recipe, base_model_id
+        self.dataset_id, self.dataset_description = dataset_id, dataset_description
 
         self._policy_module = self.model.get_base_model() if is_peft_model(self.model) else self.model
         self.completion_weights = self.weights_class(
@@ -172,7 +175,7 @@ class OBLRPOTrainer(ColocatedVLLMSetup, GRPOTrainer):
             autocast=self.accelerator.autocast,
         )
         self._gathered_rewards_per_func: torch.Tensor | None = None
-        self._loss_outputs: tuple[torch.Tensor, ...] | None = None
+        self._open_loss_forward: list[torch.Tensor] | None = None  # filled while `_loss_forward` is open
         self._warned_context = False
         self.pooled_slope = PooledSlope(POOLED_SLOPE_DECAY)  # ρ̂ of `pooled_slope`, fitted on earlier batches
 
@@ -292,9 +295,7 @@ class OBLRPOTrainer(ColocatedVLLMSetup, GRPOTrainer):
         if self.model.training and self.snr_recorder is not None:
             self.snr_recorder.new_generation()
         weights = self.completion_weights
-        weights.generation_logits = None
-        reuse = weights.reuses_trl_forward()
-        with weights.recording_log_sum_sq() if reuse else contextlib.nullcontext() as record:
+        with weights.generation_batch() as logit_sources:
             output = super()._generate_and_score_completions(inputs)
         mode = "train" if self.model.training else "eval"
         if mode == "eval" and self.num_generations_eval < 2:
@@ -309,7 +310,7 @@ class OBLRPOTrainer(ColocatedVLLMSetup, GRPOTrainer):
             matters = rows_whose_weights_matter(rewards, num_generations)
             self._metrics[mode]["oblr/weights/measured_frac"].append(matters.float().mean().item())
             measure = matters[local]
-        local_weights = weights.compute(output, record if reuse else None, mode, measure)
+        local_weights = weights.compute(output, logit_sources, mode, measure)
         self._replace_advantages(output, local_weights, rewards, num_generations, local, mode)
         return output
 
@@ -348,26 +349,36 @@ class OBLRPOTrainer(ColocatedVLLMSetup, GRPOTrainer):
 
     def _get_per_token_logps_and_entropies(self, model, *args, **kwargs):
         result = super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
-        if self._loss_outputs is not None and torch.is_grad_enabled():
-            # compute_loss's forward: keep its outputs for the per-sample gradient norms
-            self._loss_outputs = (result[0], result[1])
+        loss_forward = self._open_loss_forward
+        if loss_forward is not None and not loss_forward and torch.is_grad_enabled():
+            loss_forward.extend(result[:2])
         return result
+
+    @contextlib.contextmanager
+    def _loss_forward(self):
+        """Yields a list that the block's first grad-enabled `_get_per_token_logps_and_entropies` call, the one TRL's
+        `_compute_loss` makes for the micro-batch, fills with its per-token log-probabilities and entropies; emptied
+        when the block ends. TRL computes them inside `_compute_loss` and returns only the loss, and running that
+        forward again for the per-sample norms and the step KL would double the step's cost."""
+        outputs: list[torch.Tensor] = []
+        self._open_loss_forward = outputs
+        try:
+            yield outputs
+        finally:
+            self._open_loss_forward = None
+            outputs.clear()
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         training = self.model.training and torch.is_grad_enabled()
         recorder = self.snr_recorder if training else None
         per_sample = recorder is not None and self.args.snr_estimator == "per_sample"
         step_kl = training and self.kl_recorder is not None
-        if per_sample or step_kl:
-            self._loss_outputs = ()
-        try:
+        with self._loss_forward() if per_sample or step_kl else contextlib.nullcontext() as loss_forward:
             loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
             if per_sample:
-                recorder.add_per_sample_sq(self.completion_weights.loss_rows_grad_sq(loss, inputs, *self._loss_outputs))
+                recorder.add_per_sample_sq(self.completion_weights.loss_rows_grad_sq(loss, inputs, *loss_forward))
             if step_kl:  # the policy before the step, as the loss saw it: no extra forward
-                self.kl_recorder.keep(inputs, self._loss_outputs[0], loss_mask(inputs))
-        finally:
-            self._loss_outputs = None
+                self.kl_recorder.keep(inputs, loss_forward[0], loss_mask(inputs))
         if recorder is not None:
             recorder.start_backward(inputs["completion_ids"].size(0))
         if self.model.training and torch.is_grad_enabled():
