@@ -5,8 +5,10 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import json
+import math
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -221,6 +223,38 @@ def run_warm_child(script: str, spec: dict) -> dict:
             sys.stderr.flush()
             log.seek(0)
             raise RuntimeError(f"run {spec} failed:\n{log.read()[-6000:]}\n{traceback.format_exc()}") from None
+
+
+def t_interval(values, level: float = 0.95) -> list[float]:
+    """Student's t interval of the mean of ``values`` (paired ratios or differences, one per repeat or seed): mean ±
+    t_{(1+level)/2, n−1} · s/√n. It holds at the small n a benchmark has (3–10 repeats), where a percentile bootstrap
+    of the mean under-covers; NaN for fewer than 2 values."""
+    values = [float(v) for v in values]
+    if len(values) < 2:
+        return [math.nan, math.nan]
+    mean, spread = statistics.fmean(values), statistics.stdev(values) / math.sqrt(len(values))
+    half = t_quantile((1 + level) / 2, len(values) - 1) * spread
+    return [mean - half, mean + half]
+
+
+def t_quantile(p: float, df: int) -> float:
+    """The p-quantile (p > ½) of Student's t with ``df`` degrees of freedom: bisection on its distribution function,
+    ½ + ∫₀ˣ of the density by Simpson's rule (to 1e-6, without scipy)."""
+    log_norm = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
+
+    def cdf(x: float, pieces: int = 2000) -> float:
+        width = x / pieces
+        density = [math.exp(log_norm - (df + 1) / 2 * math.log1p((i * width) ** 2 / df)) for i in range(pieces + 1)]
+        inner = 4 * sum(density[1:-1:2]) + 2 * sum(density[2:-1:2])
+        return 0.5 + width / 3 * (density[0] + inner + density[-1])
+
+    low, high = 0.0, 1.0
+    while cdf(high) < p:
+        low, high = high, 2 * high
+    for _ in range(50):
+        middle = (low + high) / 2
+        low, high = (middle, high) if cdf(middle) < p else (low, middle)
+    return (low + high) / 2
 
 
 def bootstrap_ci(values, draws: int = 4000, seed: int = 0) -> list[float]:

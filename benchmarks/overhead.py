@@ -8,7 +8,7 @@ equally often): whichever runs first in a repeat runs slower on a small machine 
 1.07× GRPO's step time depending on which went first). Per run, the mean of the timed steps (after warm-up steps: a
 cost paid on some steps only, such as the trust region measuring every k-th step, counts in full; the medians are kept
 in the runs' records); per variant, the median over runs, and the paired ratio to GRPO in each repeat: its mean with a
-95 % bootstrap interval over repeats (and min–max). Peak memory: resident set size (CPU, per process) or peak allocated
+95 % t-interval over repeats (and min–max). Peak memory: resident set size (CPU, per process) or peak allocated
 (GPU).
 
 Between processes the machine's speed drifts: on 2 shared CPU cores the variant run first in a repeat and the one run
@@ -63,7 +63,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import random_model  # noqa: E402
 from common import (  # noqa: E402
     RESULTS,
-    bootstrap_ci,
     build_trainer,
     child_main,
     markdown_table,
@@ -71,6 +70,7 @@ from common import (  # noqa: E402
     parse_overrides,
     run_in_subprocesses,
     save_figure,
+    t_interval,
     text_hash_parity_reward,
     write_results,
 )
@@ -99,10 +99,11 @@ VARIANTS = {
     # the step's KL measured on every step, the defaults until the end of 2026-11-26
     "oblrpo-every-step": {"lr_trust_region_measure_steps": 1},
 }
-# OBLR-PO's own phases, timed inside each step (seconds a step): what the rate rule measures after a step (the trust
-# region's measuring forward, Adam's update size), the weights and the SNR estimator's sketch of the step's gradients
-# (a read of every gradient, at memory bandwidth on a CPU)
-PHASES = {"step_kl": ("oblr_trl.training.step_control", "OptimizerStepControl", "after_step"),
+# OBLR-PO's own phases, timed inside each step (seconds a step): Adam's update size, which the trust region reads
+# after every step; its measuring forward, on the steps it measures; the weights; the SNR estimator's sketch of the
+# step's gradients (a read of every gradient, at memory bandwidth on a CPU)
+PHASES = {"update_size": ("oblr_trl.training.step_control", "OptimizerStepControl", "_update_mean_square"),
+          "step_kl": ("oblr_trl.training.step_kl", "StepKLRecorder", "after_step"),
           "weights": ("oblr_trl.training.completion_weights", "CompletionWeights", "compute"),
           "snr_sketch": ("oblr_trl.training.step_noise", "StepNoiseRecorder", "read_step_gradients")}
 RECIPE_LORA = {"r": 32, "lora_alpha": 64, "target_modules": "all-linear", "task_type": "CAUSAL_LM"}  # the recipes'
@@ -445,6 +446,9 @@ def run_result(spec: dict, variant: str, trainer, times: dict[str, list[float]],
             "median_trainer_seconds": statistics.median(trainer_part), "peak_memory_bytes": peak_memory,
             "mean_step_seconds": statistics.fmean(timed), "mean_generation_seconds": statistics.fmean(generating),
             "mean_trainer_seconds": statistics.fmean(trainer_part),
+            # per timed step: each phase's seconds, and whether the step's KL was measured
+            "phase_seconds": {name: times[name][warmup:] for name in PHASES},
+            "kl_measured": [("oblr/step_kl" in log) for log in trainer.state.log_history if "grad_norm" in log][warmup:],
             **{f"{statistic}_{name}_seconds": function(times[name][warmup:])
                for name in PHASES
                for statistic, function in (("median", statistics.median), ("mean", statistics.fmean))}}
@@ -466,6 +470,23 @@ def step_kl_cadence(trainer, step_kl_seconds: list[float]) -> dict:
     return {"step_kl_measure_every": rule.measure_every if measures else None, "step_kl_measurements": measurements,
             "step_kl_seconds_per_measurement": sum(step_kl_seconds) / measurements if measurements else None,
             "gradient_step_frac": statistics.fmean(log["grad_norm"] > 0 for log in steps) if steps else None}
+
+
+def unmeasured_trainer_ratio(run: dict, reference: dict) -> float | None:
+    """``run``'s mean trainer part over its timed steps that measured no KL ÷ ``reference``'s over the same steps (the
+    same step numbers, taken in turn when interleaved): what a step that measures nothing costs; None where the run
+    does not record which steps measured, or measured every one."""
+    flags = run.get("kl_measured")
+    if not flags or len(flags) != len(run["step_seconds"]):
+        return None
+    quiet = [index for index, measured in enumerate(flags) if not measured]
+    if not quiet:
+        return None
+
+    def trainer_part(result: dict) -> float:
+        return statistics.fmean(result["step_seconds"][i] - result["generation_seconds"][i] for i in quiet)
+
+    return trainer_part(run) / trainer_part(reference)
 
 
 def long_run_step_kl_seconds(results: list[dict]) -> float | None:
@@ -561,12 +582,17 @@ def summarise(runs: list[dict], variants: list[str], memory_runs: list[dict] | N
                         "memory_ratio_max": max(memory_ratios)}
             row |= {"time_ratio": statistics.median(time_ratios), "time_ratio_min": min(time_ratios),
                     "time_ratio_max": max(time_ratios), "time_ratio_mean": statistics.fmean(time_ratios),
-                    "time_ratio_ci": bootstrap_ci(time_ratios),
-                    "trainer_ratio_mean": statistics.fmean(trainer_ratios), "trainer_ratio_ci": bootstrap_ci(trainer_ratios),
+                    "time_ratio_ci": t_interval(time_ratios),
+                    "trainer_ratio_mean": statistics.fmean(trainer_ratios), "trainer_ratio_ci": t_interval(trainer_ratios),
                     "trainer_ratio_min": min(trainer_ratios), "trainer_ratio_max": max(trainer_ratios),
                     "generation_ratio_mean": statistics.fmean(generation_ratios)}
+            quiet = [ratio for r, g in zip(results, reference, strict=True)
+                     if (ratio := unmeasured_trainer_ratio(r, g)) is not None]
+            if quiet:
+                row |= {"unmeasured_trainer_ratio_mean": statistics.fmean(quiet),
+                        "unmeasured_trainer_ratio_ci": t_interval(quiet)}
             long_run = long_run_step_kl_seconds(results)
-            if long_run is not None:  # each window's measuring forward replaced by its long-run share
+            if long_run is not None:  # a projection: each window's measuring forward replaced by its long-run share
                 def long_run_paired(key):
                     return [(r[key] - r["mean_step_kl_seconds"] + long_run) / g[key]
                             for r, g in zip(results, reference, strict=True)]
@@ -580,11 +606,11 @@ def summarise(runs: list[dict], variants: list[str], memory_runs: list[dict] | N
                                 for r, g in zip(results, reference, strict=True)]
                 row |= {"long_run_step_kl_seconds": long_run,
                         "long_run_phase_ratio_mean": statistics.fmean(phase_ratios),
-                        "long_run_phase_ratio_ci": bootstrap_ci(phase_ratios),
+                        "long_run_phase_ratio_ci": t_interval(phase_ratios),
                         "long_run_trainer_ratio_mean": statistics.fmean(long_run_ratios),
-                        "long_run_trainer_ratio_ci": bootstrap_ci(long_run_ratios),
+                        "long_run_trainer_ratio_ci": t_interval(long_run_ratios),
                         "long_run_time_ratio_mean": statistics.fmean(long_run_step_ratios),
-                        "long_run_time_ratio_ci": bootstrap_ci(long_run_step_ratios)}
+                        "long_run_time_ratio_ci": t_interval(long_run_step_ratios)}
         rows.append(row)
     return rows
 
@@ -712,26 +738,31 @@ def main(argv=None):
         + (f"; FSDP2 over {args.fsdp2_cpu_processes} CPU processes for every variant" if args.fsdp2_cpu_processes
            else "")
         + (f"; preset overrides `{overrides}`" if overrides else "") + ".\n\n"
-        + "The trainer's own part is the step minus the time in TRL's generation (what a vLLM user pays); the "
-          "step-KL forward, the weights and the SNR estimator's gradient sketch are OBLR-PO's own phases inside it "
-          "(median seconds a step, timed in the same runs). The step-KL forward runs on the first step and then "
-          "once every k steps with a gradient, so a short window may hold it or miss it: 'long run' is its time per "
-          "measurement × the share of steps with a gradient ÷ k (its time per measurement over the warm-up steps "
-          "too, which always measure), and the step and the trainer part with each window's forward replaced by "
-          "that; '1 + OBLR-PO's phases' adds the long-run phases to GRPO's trainer part of the same repeat (what "
-          "OBLR-PO adds, timed where it runs, free of the noise between two whole steps). `exact` weights are "
-          "measured only for groups whose rewards differ: the share measured is given.\n\n"
+        + "The trainer's own part is the step minus the time in TRL's generation (what a vLLM user pays). Ratios "
+          "are measured: per repeat the mean over its timed steps paired with GRPO's, their mean over repeats with a "
+          "95 % t-interval. 'Steps measuring nothing' pairs the trainer part of the steps whose KL the trust region "
+          "did not measure with GRPO's same steps. Adam's update size, the step-KL forward, the weights and the SNR "
+          "estimator's gradient sketch are OBLR-PO's own phases inside the trainer part (median seconds a step, "
+          "timed in the same runs). The columns marked *projection* are not measurements: the step-KL forward's "
+          "time per measurement × the share of steps with a gradient ÷ k put in place of each window's own, as if "
+          "the window were long enough for the cadence to settle; '1 + OBLR-PO's phases' adds those phases to "
+          "GRPO's trainer part of the same repeat. `exact` weights are measured only for groups whose rewards "
+          "differ: the share measured is given.\n\n"
         + markdown_table(
             ["variant", "s / step (median)", "min", "max", "÷ GRPO step (paired mean)", "95 % interval",
              "generation s (median)", "trainer part s (median)", "÷ GRPO trainer part (paired mean)", "95 % interval",
-             "÷ GRPO generation", "step-KL forward s", "step-KL forward s, long run",
-             "÷ GRPO step, long run", "÷ GRPO trainer part, long run",
-             "1 + OBLR-PO's phases ÷ GRPO trainer part, long run", "weights s", "SNR sketch s",
+             "÷ GRPO trainer part, steps measuring nothing", "÷ GRPO generation", "Adam update size s",
+             "step-KL forward s", "projection: step-KL forward s", "projection: ÷ GRPO step",
+             "projection: ÷ GRPO trainer part", "projection: 1 + OBLR-PO's phases ÷ GRPO trainer part", "weights s",
+             "SNR sketch s",
              "exact weights measured", "peak MiB", "÷ GRPO memory", "memory ratio min–max"],
             [[r["variant"], r["median_step_seconds"], r["min"], r["max"], r.get("time_ratio_mean", "—"),
               interval(r, "time_ratio_ci"), r["median_generation_seconds"], r["median_trainer_seconds"],
-              r.get("trainer_ratio_mean", "—"), interval(r, "trainer_ratio_ci"), r.get("generation_ratio_mean", "—"),
-              r["median_step_kl_seconds"], r.get("long_run_step_kl_seconds", "—"),
+              r.get("trainer_ratio_mean", "—"), interval(r, "trainer_ratio_ci"),
+              "—" if "unmeasured_trainer_ratio_mean" not in r else
+              f"{r['unmeasured_trainer_ratio_mean']:.3f} {interval(r, 'unmeasured_trainer_ratio_ci')}",
+              r.get("generation_ratio_mean", "—"), r.get("median_update_size_seconds", "—"),
+              r.get("median_step_kl_seconds", "—"), r.get("long_run_step_kl_seconds", "—"),
               *("—" if f"long_run_{part}_ratio_mean" not in r else
                 f"{r[f'long_run_{part}_ratio_mean']:.3f} {interval(r, f'long_run_{part}_ratio_ci')}"
                 for part in ("time", "trainer", "phase")),

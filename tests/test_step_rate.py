@@ -27,10 +27,12 @@ def run_steps(rule: StepRateRule, steps, scheduled=1e-3, peak=None, varied=False
     """Drive ``rule`` as the trainer does, over ``steps`` of (rate multiplier, gradient norm), each moving the policy
     by CURVATURE · lr² with Adam's update of mean square 0.5; ``varied``: the i-th step also hands over the noise
     estimate (1 + i, 2) over 2 samples, moves the policy by (1 + 0.1 i) · CURVATURE · lr² and updates by 0.9^i.
-    Returns which steps were measured and the factor each ran with."""
+    Returns which steps were measured and the factor each ran with. Every step is measured exactly where the rule
+    said before it began (`kl_planned`) that it would be, save a step whose gradient turned out zero (k > 1)."""
     measured, factors = [], []
     for i, (multiplier, grad_norm) in enumerate(steps):
         rule.begin_step(scheduled * multiplier, peak if peak is not None else scheduled)
+        planned = rule.kl_planned
         factor = rule.note_grad_norm(grad_norm)
         if varied:
             rule.observe_noise(NoiseEstimate(1.0 + i, 2.0), units=2)
@@ -39,6 +41,7 @@ def run_steps(rule: StepRateRule, steps, scheduled=1e-3, peak=None, varied=False
         record = rule.end_step(lr, step_kl=lambda measure, kl=kl: kl if measure else None,
                                update_mean_square=lambda i=i: 0.9**i if varied else 0.5)
         measured.append(record.kl is not None)
+        assert measured[-1] == (planned and not (grad_norm == 0.0 and rule.measure_every > 1)), i
         factors.append(factor)
     return measured, factors
 

@@ -568,14 +568,18 @@ def test_a_sample_size_measures_the_step_on_that_many_completions(make_trainer):
 def test_measure_steps_measures_every_k_th_step_of_training(make_trainer):
     """`lr_trust_region_measure_steps=2` without the short early gaps: the probe, the step after it (whose reading
     replaces the probe's) and then every 2nd step run the measuring forward and log their KL, steps 1, 2 and 4 of 5;
-    the card says what the run's rule measured."""
+    only those steps keep their micro-batches for it (the cadence is known before a step begins); the card says what
+    the run's rule measured."""
     trainer = make_trainer(lr_trust_region_measure_steps=2, lr_trust_region_short_early_gaps=False, max_steps=5,
                            lr_scheduler_type="constant", use_snr_lr=False)
     assert (trainer.step_rate.measure_every, trainer.step_rate.short_early_gaps) == (2, False)
+    kept_on, keep = [], trainer.kl_recorder.keep
+    trainer.kl_recorder.keep = lambda *args: (kept_on.append(trainer.state.global_step), keep(*args))
     trainer.train()
     logged = [h for h in trainer.state.log_history if "loss" in h]
     assert all(h["grad_norm"] > 0 for h in logged)  # every step has a gradient: the cadence is 1, 2, 4
     assert ["oblr/step_kl" in h for h in logged] == [True, True, False, True, False]
+    assert sorted(set(kept_on)) == [0, 1, 3]  # steps 1, 2 and 4 (global_step counts the steps done before)
     assert trainer.kl_recorder.measured_steps == 3
     from oblr_trl.estimators.step_rate import RateRuleTuning, step_rate_rule
     from oblr_trl.training.run_records import card_settings

@@ -102,6 +102,7 @@ class StepRateRule:
         self.readings = 0  # measured gradient steps folded into the curvature after the probe: they set the `gap`
         self._snr_factor = self._trust_factor = 1.0  # f and g of the current step
         self._grad_norm: float | None = None  # of the current step, once noted (None: not known)
+        self._kl_planned = self.measures_kl  # whether the current step is measured, should its gradient not be zero
 
     @property
     def scales_rate(self) -> bool:
@@ -123,10 +124,18 @@ class StepRateRule:
         self._snr_factor = self.next_snr_factor if self.snr is not None else 1.0
         self._trust_factor = 1.0
         self._grad_norm = None
+        self._kl_planned = self.measures_kl and (
+            self.measure_every == 1 or self.unmeasured_steps + 1 >= self.gap or self.trust_region.needs_measurement)
         if self.trust_region is not None and scheduled_lr is not None:
             peak = scheduled_lr if peak_lr is None else peak_lr
             self._trust_factor = self.trust_region.factor(scheduled_lr * self._snr_factor, peak)
         return self._snr_factor * self._trust_factor
+
+    @property
+    def kl_planned(self) -> bool:
+        """Whether the step begun will be measured (`end_step` asks for its KL), unless its gradient turns out zero:
+        known before its first micro-batch, so that a step the rule will not measure keeps nothing for it."""
+        return self._kl_planned
 
     def note_grad_norm(self, grad_norm: float | None, *, stepped: bool = False) -> float:
         """The step's pre-clip gradient norm (None: unknown); returns the step's factor. Before the optimizer steps, a
@@ -217,7 +226,7 @@ class StepRateRule:
             return True
         if self._grad_norm == 0.0:
             return False
-        if self.unmeasured_steps + 1 >= self.gap or self.trust_region.needs_measurement:
+        if self._kl_planned:  # the gap and the probe's state do not change between `begin_step` and here
             self.unmeasured_steps = 0
             return True
         self.unmeasured_steps += 1

@@ -135,9 +135,15 @@ class OptimizerStepControl:
         if math.isfinite(reading.reference_factor):
             metrics["snr/reference_factor"].append(reading.reference_factor)
 
-    def after_step(self) -> None:
+    @property
+    def measures_step_kl(self) -> bool:
+        """Whether the rule will measure the KL of the step begun (`StepRateRule.kl_planned`): only such a step needs
+        its micro-batches kept."""
+        return self.rule.kl_planned
+
+    def after_step(self) -> bool:
         """The optimizer step ran (or was refused): the rule measures what it asks for (`StepRateRule.end_step`) and
-        what it returns is logged."""
+        what it returns is logged. Returns whether the step's KL was measured (a forward ran after the step)."""
         record = self.rule.end_step(self.applied_lr, step_kl=self.step_kl, update_mean_square=self._update_mean_square)
         metrics = self.metrics
         if self._scaled_lr is not None:  # the factor acted on a step that ran
@@ -154,6 +160,7 @@ class OptimizerStepControl:
             metrics["oblr/step_kl"].append(record.kl)
         if record.trust_region_rate is not None:  # the rate the rule leaves for the next step
             metrics["oblr/trust_region_rate"].append(record.trust_region_rate)
+        return record.kl is not None
 
     def _update_mean_square(self) -> float | None:
         """The mean square of the step's update per unit rate over every process's coordinates (one collective on

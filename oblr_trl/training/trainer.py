@@ -70,8 +70,8 @@ class _OBLRPOCallback(TrainerCallback):
 
     def on_optimizer_step(self, args, state, control, **kwargs):
         trainer = self.trainer
-        trainer.step_control.after_step()  # the step's own KL, before the next step's factor is fixed
-        if trainer.kl_recorder is not None and trainer._is_fsdp2:
+        measured = trainer.step_control.after_step()  # the step's own KL, before the next step's factor is fixed
+        if measured and trainer._is_fsdp2:
             reshard_fsdp2(trainer.model)
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -372,7 +372,8 @@ class OBLRPOTrainer(ColocatedVLLMSetup, GRPOTrainer):
         training = self.model.training and torch.is_grad_enabled()
         recorder = self.snr_recorder if training else None
         per_sample = recorder is not None and self.args.snr_estimator == "per_sample"
-        step_kl = training and self.kl_recorder is not None
+        # only a step the rule will measure keeps its micro-batches (and the loss's log-probabilities) for it
+        step_kl = training and self.kl_recorder is not None and self.step_control.measures_step_kl
         with self._loss_forward() if per_sample or step_kl else contextlib.nullcontext() as loss_forward:
             loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
             if per_sample:
