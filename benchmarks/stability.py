@@ -7,11 +7,13 @@ symmetric around GRPO's best rate (best/10 … 10× best), so that a rule which 
 what it saves at the high end; the synthetic grid goes from the best rate up to 30× it.
 
 Per cell (method × configured rate), over paired seeds (same initialisation, prompts and order for every method):
-final held-out accuracy with a bootstrap 95 % interval, AUC, the fraction of seeds that **collapsed** (final held-out
-accuracy more than `COLLAPSE_MARGIN` below the untrained model's), and the range of the realised SNR factor. Per
-method, the **regret**: the best mean final accuracy of any method at any rate minus this method's final accuracy,
-averaged over the grid's rates (per seed, so it can be paired), and its paired difference with `grpo`, bootstrapped
-over seeds. A rule with lower regret than GRPO loses less when the rate is wrong.
+final held-out accuracy with a 95 % t-interval over seeds, the mean training reward, the fraction of seeds that
+**collapsed** (final held-out accuracy more than `COLLAPSE_MARGIN` below the untrained model's), and the range of the
+realised SNR factor. Per method, the **regret**: the best mean final accuracy of any method at any rate minus this
+method's final accuracy, averaged over the grid's rates (per seed, so it can be paired), and its paired difference with
+`grpo`, a 95 % t-interval over paired seeds. A rule with lower regret than GRPO loses less when the rate is wrong. Two
+arms are called level only where the interval of their paired difference in final accuracy lies inside
+±`EQUIVALENCE_MARGIN`.
 
 What is run is declared in `stability_registry.py` (methods, problem sets, studies); the summary's sections are
 `stability_summary.py`'s. Each SmolLM2 run is a fresh process whose record, under its results folder's `runs/`, says
@@ -28,6 +30,11 @@ a + b, a ± b and a × b and both transfers name settled methods, so they run wi
   paper-literal factor and the trust region's forms (settled); where a method sets only the defaults, `oblrpo` is not
   run again and the summary reports that method's runs under its name too. At GRPO's best rate the defaults without the
   SNR factor and the arms calibrated to act give the summary's ``snr_ablation``, paired by seed.
+* ``attribution`` — what buys the robustness: GRPO, GRPO with the shipped trust region, the defaults without it (the
+  paper's baseline and SNR factor) and the defaults, at TRL's 1e-6, GRPO's best rate and 10× it, 5 paired test seeds;
+  under the grid's name, so a grid run of an arm at one of these rates is one of its runs.
+* ``reproduce`` — committed cells run again on seed 0 at GRPO's best rate, each compared step for step with its
+  committed record (in ``runs/reproduce/``).
 * ``snr-long`` — the SNR ablation's per-completion arm and the defaults without the factor over 60 steps.
 * ``snr-batch`` — the shipped SNR factor and none at 8 prompts a step (32 completions) on a + b, at GRPO's best rate
   and TRL's 1e-6, 5 paired test seeds, in `results/stability-snr-8prompts/`.
@@ -46,6 +53,10 @@ a + b, a ± b and a × b and both transfers name settled methods, so they run wi
     python benchmarks/stability.py --part smollm2 --methods grpo oblrpo   # a + b: 25 runs a method (7–15 min
                                                                           # each), 2 at a time
     python benchmarks/stability.py --part delta          # 2 validation runs that choose δ
+    python benchmarks/stability.py --part validation --methods grpo --rates 3e-6 1e-5 3e-5   # GRPO's best rate on
+                                                         # a + b, screened on validation seeds
+    python benchmarks/stability.py --part attribution    # the four arms at 1e-6, GRPO's best and 10× it (60 runs)
+    python benchmarks/stability.py --part reproduce      # 3 committed cells run again, compared step for step
     python benchmarks/stability.py --part validation --methods M   # M on validation seeds 10, 11 (choosing)
     python benchmarks/stability.py --part snr-long       # the SNR ablation over 60 steps: 20 runs (10-13 min each)
     python benchmarks/stability.py --part snr-batch      # 20 runs of 32 completions × 40 steps (untimed: each
@@ -108,7 +119,6 @@ def parse_args(argv=None):
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
                         help="override a config field of every SmolLM2 run, e.g. --set use_cpu=false on a GPU (give "
                         "such runs their own --output_dir: cells pair runs of one machine only)")
-    parser.add_argument("--bootstrap", type=int, default=10_000)
     parser.add_argument("--output_dir", default=None,
                         help="default: the part's folder under benchmarks/results (its problems': a + b stability/, "
                         "a ± b stability-a-pm-b/, where resolve runs; snr-batch stability-snr-8prompts/)")
@@ -253,7 +263,7 @@ def main(argv=None) -> int:
         write_synthetic_cells(args)
     elif args.part in STUDIES:
         run_study(STUDIES[args.part], args)
-    write_summary(Path(args.output_dir), PROBLEM_SETS[args.problems], args.bootstrap)
+    write_summary(Path(args.output_dir), PROBLEM_SETS[args.problems])
     return 0
 
 

@@ -34,8 +34,19 @@ def plot_summary(rows: list[Row], output_dir: Path) -> Path:
     return save_figure(figure, output_dir, "summary")
 
 
+def error_bar(cell: dict) -> tuple[float, float]:
+    """How far a cell's interval reaches below and above its mean final accuracy, cut at the accuracies a run can end
+    with (0 and 1: the t-interval of 2 or 3 seeds reaches past them); none for one seed (no interval)."""
+    low, high = cell["final_acc_ci"]
+    if math.isnan(low):
+        return 0.0, 0.0
+    mean = cell["final_acc_mean"]
+    return max(0.0, mean - max(low, 0.0)), max(0.0, min(high, 1.0) - mean)
+
+
 def cells_row(title: str, summary: dict, rates: list[float]) -> Row:
-    """Final accuracy (95 % CI) and the collapsed fraction per configured rate, a line per method."""
+    """Final accuracy (95 % t-interval over seeds, `error_bar`) and the collapsed fraction per configured rate, a line
+    per method."""
     def draw(final_axis, collapse_axis) -> None:
         for method, entry in summary["methods"].items():
             present = [r for r in rates if f"{r:.3g}" in entry["by_lr"]]
@@ -44,12 +55,10 @@ def cells_row(title: str, summary: dict, rates: list[float]) -> Row:
             cells = [entry["by_lr"][f"{r:.3g}"] for r in present]
             style = "--" if method.endswith("-constant") else "-"
             final_axis.errorbar(present, [c["final_acc_mean"] for c in cells], linestyle=style, marker="o", capsize=3,
-                                yerr=[[max(0.0, c["final_acc_mean"] - c["final_acc_ci"][0]) for c in cells],
-                                      [max(0.0, c["final_acc_ci"][1] - c["final_acc_mean"]) for c in cells]],
-                                label=method)
+                                yerr=list(zip(*(error_bar(c) for c in cells), strict=True)), label=method)
             collapse_axis.plot(present, [c["collapse_fraction"] for c in cells], linestyle=style, marker="o",
                                label=method)
-        final_axis.set(xscale="log", xlabel="configured learning rate", ylabel="final held-out accuracy (95 % CI)",
+        final_axis.set(xscale="log", xlabel="configured learning rate", ylabel="final held-out accuracy (95 % t-interval)",
                        title=title)
         collapse_axis.set(xscale="log", xlabel="configured learning rate", ylabel="collapsed fraction of seeds",
                           title=f"{title}: collapse (final < untrained − {COLLAPSE_MARGIN:g})")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import learning  # noqa: E402
-from common import bootstrap_ci, shipped  # noqa: E402
+from common import shipped, t_interval  # noqa: E402
 from stability_registry import (  # noqa: E402
     FORM_PAIRS, PEAK_DELTA, PEAK_DELTA_METHOD, REFERENCE, SMOLLM2_METHODS, TRL_SCHEDULE, ProblemSet,
 )
@@ -25,24 +25,41 @@ Cells = dict[str, dict[float, list[dict]]]
 # binomial standard error of about 0.065, and a run that did not move can end 0.01 below it; collapses end near 0
 COLLAPSE_MARGIN = 0.1
 
+# how close two arms' final test accuracy must be to call them level: 3 of the 60 test problems of a + b and a × b (10
+# of a ± b's 200), below one run's binomial standard error (about 0.065 at 60), so a smaller difference is within what
+# a rerun on another seed moves. An interval that merely covers 0 does not show two arms level: its paired difference's
+# 95 % interval must lie inside ±EQUIVALENCE_MARGIN (two one-sided tests at 2.5 % each)
+EQUIVALENCE_MARGIN = 0.05
+
 
 def collapsed(run: dict) -> bool:
     """The run ended more than `COLLAPSE_MARGIN` below the untrained model."""
     return run["final"] < run["initial"] - COLLAPSE_MARGIN
 
 
-def paired_difference(mine: dict[int, float], theirs: dict[int, float], resamples: int) -> dict | None:
-    """``mine`` minus ``theirs`` on the seeds both have, in seed order: mean, bootstrap 95 % interval over seeds and
-    the seeds; None where they share none."""
+def shown_level(ci: list[float]) -> bool:
+    """The 95 % interval of a paired difference in final accuracy lies inside ±`EQUIVALENCE_MARGIN`; False where it
+    is not defined (one seed)."""
+    return -EQUIVALENCE_MARGIN <= ci[0] and ci[1] <= EQUIVALENCE_MARGIN
+
+
+def equivalence(ci: list[float]) -> str:
+    """What the summaries say of a paired difference in final accuracy with interval ``ci`` (`shown_level`)."""
+    return f"level within ±{EQUIVALENCE_MARGIN:g}" if shown_level(ci) else "not shown level"
+
+
+def paired_difference(mine: dict[int, float], theirs: dict[int, float]) -> dict | None:
+    """``mine`` minus ``theirs`` on the seeds both have, in seed order: mean, 95 % t-interval over the paired seeds
+    (`t_interval`) and the seeds; None where they share none."""
     seeds = sorted(set(mine) & set(theirs))
     if not seeds:
         return None
     differences = [mine[s] - theirs[s] for s in seeds]
-    return {"mean": statistics.fmean(differences), "ci": bootstrap_ci(differences, resamples), "seeds": seeds}
+    return {"mean": statistics.fmean(differences), "ci": t_interval(differences), "seeds": seeds}
 
 
 # --- the grid --------------------------------------------------------------------------------------------------------
-def grid_summary(cells: Cells, resamples: int) -> dict:
+def grid_summary(cells: Cells) -> dict:
     """Per method: ``by_lr`` cells and the regret over the grid, paired with `grpo`.
 
     Regret of a seed = mean over rates of (best cell mean final of any method − this seed's final); only seeds run at
@@ -73,8 +90,8 @@ def grid_summary(cells: Cells, resamples: int) -> dict:
                 continue
             finals, aucs = [r["final"] for r in runs], [r["auc"] for r in runs]
             entry["by_lr"][f"{rate:.3g}"] = {
-                "final_acc_mean": statistics.fmean(finals), "final_acc_ci": bootstrap_ci(finals, resamples),
-                "auc_mean": statistics.fmean(aucs), "auc_ci": bootstrap_ci(aucs, resamples),
+                "final_acc_mean": statistics.fmean(finals), "final_acc_ci": t_interval(finals),
+                "auc_mean": statistics.fmean(aucs), "auc_ci": t_interval(aucs),
                 "collapse_fraction": statistics.fmean(collapsed(r) for r in runs),
                 "seeds": [r["seed"] for r in runs],
                 "factor_range": [min(r["factor_min"] for r in runs), max(r["factor_max"] for r in runs)],
@@ -82,17 +99,16 @@ def grid_summary(cells: Cells, resamples: int) -> dict:
         own = regrets(method)
         if own:
             entry.update(regret_mean=statistics.fmean(own.values()),
-                         regret_ci=bootstrap_ci(list(own.values()), resamples), regret_seeds=sorted(own))
-        if method != REFERENCE and (vs := paired_difference(own, reference, resamples)):
+                         regret_ci=t_interval(list(own.values())), regret_seeds=sorted(own))
+        if method != REFERENCE and (vs := paired_difference(own, reference)):
             entry.update(regret_minus_grpo=vs["mean"], regret_minus_grpo_ci=vs["ci"])
         if method != REFERENCE and REFERENCE in cells:
-            entry.update(against_grpo(rates, cells[REFERENCE], grpo_best_rate, resamples))
+            entry.update(against_grpo(rates, cells[REFERENCE], grpo_best_rate))
         summary[method] = entry
     return {"best_cell_final": best, "methods": summary}
 
 
-def against_grpo(own: dict[float, list[dict]], reference: dict[float, list[dict]], best_rate: float,
-                 resamples: int) -> dict:
+def against_grpo(own: dict[float, list[dict]], reference: dict[float, list[dict]], best_rate: float) -> dict:
     """The other two tests of a default, paired by seed with `grpo`: the final accuracy at GRPO's best rate minus
     GRPO's there (``at_grpo_best_minus_grpo`` and its interval), and the rates at which this method collapsed on a
     seed where GRPO did not (``collapses_where_grpo_does_not``)."""
@@ -106,7 +122,7 @@ def against_grpo(own: dict[float, list[dict]], reference: dict[float, list[dict]
     entry: dict = {"grpo_best_rate": best_rate, "collapses_where_grpo_does_not": collapses}
     if at_best:
         entry.update(at_grpo_best_minus_grpo=statistics.fmean(at_best),
-                     at_grpo_best_minus_grpo_ci=bootstrap_ci(at_best, resamples), at_grpo_best_seeds=len(at_best))
+                     at_grpo_best_minus_grpo_ci=t_interval(at_best), at_grpo_best_seeds=len(at_best))
     return entry
 
 
@@ -121,7 +137,7 @@ def smollm2_cells(runs: list[dict], initial_accuracy: float) -> Cells:
     return cells
 
 
-def smollm2_grid(initial: dict, trained: list[dict], resamples: int, problems: ProblemSet,
+def smollm2_grid(initial: dict, trained: list[dict], problems: ProblemSet,
                  rates: tuple[float, ...] | None) -> tuple[dict, dict] | None:
     """The grid's summary (`grid_summary`, the forms' comparisons, the rate rule's traces) and what it was measured
     on, from the untrained model's run and a grid's runs on ``problems``; runs at a rate outside ``rates`` (None: no
@@ -136,9 +152,9 @@ def smollm2_grid(initial: dict, trained: list[dict], resamples: int, problems: P
                                for m, rate in sorted({(r["method"], r["learning_rate"]) for r in beyond})},
                "steps": grid[0]["steps"], "schedule": dict(TRL_SCHEDULE), "problems": problems.title}
     cells = smollm2_cells(grid, initial["accuracy"])
-    summary = grid_summary(cells, resamples)
-    summary["forms"] = form_comparison(cells, resamples)
-    summary["form_regrets"] = form_regret_differences(cells, details["rates"], resamples)
+    summary = grid_summary(cells)
+    summary["forms"] = form_comparison(cells)
+    summary["form_regrets"] = form_regret_differences(cells, details["rates"])
     summary["rate_rule"] = rate_rule_traces(grid + beyond)
     twin = defaults_twin(problems)
     if "oblrpo" not in summary["methods"] and twin in summary["methods"]:  # the defaults' runs, under their own name
@@ -208,9 +224,9 @@ def rate_range(runs: list[dict], method: str, best_cell: float) -> dict:
             for rate, values in sorted(finals.items())}
 
 
-def form_comparison(cells: Cells, resamples: int) -> dict:
+def form_comparison(cells: Cells) -> dict:
     """Per pair of `FORM_PAIRS` and per rate both ran: the final accuracy of the first minus the second, paired by
-    seed (mean, bootstrap interval, seeds), so that a cell with more seeds than the grid is compared on all of
+    seed (mean, t-interval, seeds), so that a cell with more seeds than the grid is compared on all of
     them."""
     comparison = {}
     for first, second in FORM_PAIRS:
@@ -219,13 +235,13 @@ def form_comparison(cells: Cells, resamples: int) -> dict:
         by_rate = {}
         for rate in sorted(set(cells[first]) & set(cells[second])):
             finals = [{r["seed"]: r["final"] for r in cells[method][rate]} for method in (first, second)]
-            if difference := paired_difference(*finals, resamples):
+            if difference := paired_difference(*finals):
                 by_rate[f"{rate:.3g}"] = difference
         comparison[f"{first} - {second}"] = by_rate
     return comparison
 
 
-def form_regret_differences(cells: Cells, rates: list[float], resamples: int) -> dict:
+def form_regret_differences(cells: Cells, rates: list[float]) -> dict:
     """Per pair of `FORM_PAIRS`: the first's regret minus the second's, paired by seed over the seeds both ran at every
     rate of the grid (the target's regret below the cap's decided between them). The best cell cancels from a paired
     difference of regrets, so it is minus the mean over the rates of (first's final − second's final)."""
@@ -240,7 +256,7 @@ def form_regret_differences(cells: Cells, rates: list[float], resamples: int) ->
             values = [-statistics.fmean(finals[first][rate][seed] - finals[second][rate][seed] for rate in rates)
                       for seed in seeds]
             differences[f"{first} - {second}"] = {"mean": statistics.fmean(values),
-                                                  "ci": bootstrap_ci(values, resamples), "seeds": seeds}
+                                                  "ci": t_interval(values), "seeds": seeds}
     return differences
 
 
@@ -272,12 +288,12 @@ def runs_by_seed(runs: list[dict], method: str, rate: float) -> dict[int, dict]:
     return {r["seed"]: r for r in runs if r["method"] == method and r["learning_rate"] == rate}
 
 
-def with_and_without(mine: dict[int, dict], without: dict[int, dict], resamples: int) -> dict | None:
+def with_and_without(mine: dict[int, dict], without: dict[int, dict]) -> dict | None:
     """A method with the SNR factor against one without, paired by seed: the difference of final accuracy (mean,
     interval, seeds), both arms' mean final, the arm's steps and the share of them its factor moved; None where the
     two share no seed."""
     difference = paired_difference({s: r["accuracy"] for s, r in mine.items()},
-                                   {s: r["accuracy"] for s, r in without.items()}, resamples)
+                                   {s: r["accuracy"] for s, r in without.items()})
     if difference is None:
         return None
     seeds = difference["seeds"]
@@ -289,7 +305,7 @@ def with_and_without(mine: dict[int, dict], without: dict[int, dict], resamples:
 
 
 def snr_ablation(arms: list[tuple[str, str, list[dict]]], without: str, validation: list[dict], screened: list[str],
-                 rate: float, resamples: int, defaults: str | None) -> dict:
+                 rate: float, defaults: str | None) -> dict:
     """Each arm ``(label, method, runs)`` with the SNR factor minus ``without`` among the same runs (so a longer study
     pairs with its own longer runs): final test accuracy at ``rate``, paired by seed, with the share of the arm's
     steps the factor acted on (`with_and_without`). The arm labelled ``defaults`` is the top level, the others are
@@ -297,7 +313,7 @@ def snr_ablation(arms: list[tuple[str, str, list[dict]]], without: str, validati
     ``validation``. Empty before a pair has run."""
     compared = {}
     for label, method, runs in arms:
-        entry = with_and_without(runs_by_seed(runs, method, rate), runs_by_seed(runs, without, rate), resamples)
+        entry = with_and_without(runs_by_seed(runs, method, rate), runs_by_seed(runs, without, rate))
         if entry is not None:
             compared[label] = {"with": method, "without": without, "rate": rate, **entry}
     screen = {}
@@ -311,17 +327,17 @@ def snr_ablation(arms: list[tuple[str, str, list[dict]]], without: str, validati
     return {"rate": rate, **compared.pop(defaults, {}), "variants": compared, "validation": screen}
 
 
-def paired_by_rate(runs: list[dict], mine: str, theirs: str, resamples: int) -> dict:
+def paired_by_rate(runs: list[dict], mine: str, theirs: str) -> dict:
     """Per rate both methods ran: ``mine`` minus ``theirs``, paired by seed, in final accuracy (`with_and_without`) and
     in AUC (the mean training reward: ``auc_difference_mean``, ``auc_difference_ci``)."""
     by_rate = {}
     for rate in sorted({r["learning_rate"] for r in runs}):
         arm, without = runs_by_seed(runs, mine, rate), runs_by_seed(runs, theirs, rate)
-        entry = with_and_without(arm, without, resamples)
+        entry = with_and_without(arm, without)
         if entry is None:
             continue
         auc = paired_difference({s: learning.auc(r) for s, r in arm.items()},
-                                {s: learning.auc(r) for s, r in without.items()}, resamples)
+                                {s: learning.auc(r) for s, r in without.items()})
         by_rate[f"{rate:g}"] = {**entry, "auc_difference_mean": auc["mean"], "auc_difference_ci": auc["ci"]}
     return by_rate
 
@@ -427,3 +443,16 @@ def completion_lengths(runs: list[dict]) -> dict:
                                                          "runs": len(c["sampled"])}
                                                   for rate, c in by_rate.items()}
                                          for method, by_rate in end.items()}}
+
+
+def reproduction(fresh: dict, committed: dict) -> dict:
+    """How far a run made again (``fresh``) lands from the committed record of the same method, rate and seed: the
+    largest difference of each step's rate used (relative to the committed rate) and of each step's mean reward, and
+    the final accuracies. Step for step means both differences are 0: the committed cell is then today's code."""
+    mine, theirs = learning.used_rates(fresh["traces"]), learning.used_rates(committed["traces"])
+    rate = max((abs(a - b) / abs(b) if b else abs(a) for a, b in zip(mine, theirs, strict=True)), default=0.0)
+    reward = max((abs(a - b) for a, b in zip(fresh["reward"], committed["reward"], strict=True)), default=0.0)
+    return {"method": fresh["method"], "learning_rate": fresh["learning_rate"], "seed": fresh["seed"],
+            "rate_difference": rate, "reward_difference": reward, "accuracy": fresh["accuracy"],
+            "committed_accuracy": committed["accuracy"], "step_for_step": rate == 0.0 and reward == 0.0,
+            "code": fresh.get("code", {}).get("git_commit")}

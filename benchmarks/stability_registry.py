@@ -87,6 +87,11 @@ DEFAULTS_TRUST_REGION = trust_region(16, PEAK_DELTA)
 # a step, and its ratio floor of 1 ignores the SNR falling through training
 SNR_CALIBRATED = {**DEFAULTS_TRUST_REGION, "snr_lr_min_ratio": 0.5, "snr_calibration_steps": 5}
 SNR_ABLATION_WITHOUT = "oblrpo-defaults-no-snr"
+# GRPO's advantage from OBLR-PO's pieces: the whole group's mean with TRL's std scaling, no SNR factor; without a trust
+# region TRL's GRPO step for step (docs/rate_rule.md, "Turning it off, and GRPO with the trust region")
+GRPO_AS_OBLRPO = {"baseline_weights": "uniform", "baseline_estimator": "weighted", "leave_one_out": False,
+                  "use_snr_lr": False}
+GRPO_TRUST_REGION = "grpo-trust-region"
 
 SMOLLM2_METHODS: Mapping[str, Method] = by_name((
     Method(REFERENCE, None, "TRL's GRPOTrainer"),
@@ -115,7 +120,12 @@ SMOLLM2_METHODS: Mapping[str, Method] = by_name((
            "as the 5-step calibration, over the shortest window"),
     Method("oblrpo-trust-peak-update-every16", trust_region(16),
            "the peak form per unit of Adam's update at the problem set's δ (the cap's)"),
+    Method(GRPO_TRUST_REGION, {**GRPO_AS_OBLRPO, **DEFAULTS_TRUST_REGION},
+           "TRL's GRPO step with the trust region as it ships (peak form, δ = 0.005, every 16th step, short early gaps)"),
 ))
+# what buys the robustness to the rate, arm by arm: GRPO, GRPO with the shipped trust region, the paper's two parts
+# (the baseline and the SNR factor) without it, and the defaults (all three)
+ATTRIBUTION_ARMS = (REFERENCE, GRPO_TRUST_REGION, "oblrpo-no-trust", PEAK_DELTA_METHOD)
 
 
 # --- settled methods -------------------------------------------------------------------------------------------------
@@ -231,11 +241,14 @@ A_TIMES_B = ProblemSet(title="a × b (0…14)", operators="*", max_operand=14, d
                        best_rate=3e-6, trust_region_kl=0.01, folder="stability-products",
                        grid=(3e-7, 1e-6, 3e-6, 1e-5, 3e-5))
 # sums of operands 0…14, which SmolLM2 learns within the budget under the strict grader (a ± b it barely does), so
-# that its grid decides; 225 problems cut into 60 test, 60 validation, 105 training. The grid is symmetric around
+# that its grid decides; 225 problems cut into 60 test, 60 validation, 105 training. GRPO's best rate was first
+# screened on test seeds 0 and 1; `rate_screen` screens it again on validation seeds (`--part validation --methods
+# grpo --rates …`), which the attribution study's rates follow. The grid is symmetric around
 # GRPO's best rate (÷10 … ×10), so that a rule which only shrinks the rate loses at the low end what it saves at the
 # high end; δ the 90th percentile of the validation runs' per-step KL, rounded (the cap and target forms')
 A_PLUS_B = ProblemSet(title="a + b", operators="+", max_operand=14, data="data-sums", eval_problems=60, best_rate=1e-5,
                       trust_region_kl=0.01, folder="stability", grid=(1e-6, 3e-6, 1e-5, 3e-5, 1e-4),
+                      rate_screen=(3e-6, 1e-5, 3e-5),
                       transfer=Transfer(A_TIMES_B, (REFERENCE, "oblrpo-trust-cap", "oblrpo-trust-target"),
                                         "transfer-products", rate_screen=(1e-6, 3e-6, 1e-5, 3e-5)),
                       collapse_rate=3e-4)
@@ -307,6 +320,11 @@ def validation_rates(problems: ProblemSet) -> tuple[float, ...]:
     return best_rate(problems) or problems.rate_screen
 
 
+def attribution_rates(problems: ProblemSet) -> tuple[float, ...]:
+    """TRL's default rate, GRPO's best rate on ``problems`` and 10× it."""
+    return 1e-6, problems.best_rate, float(f"{10 * problems.best_rate:g}")
+
+
 def transfer_rates(problems: ProblemSet) -> tuple[float, ...]:
     best = problems.transfer.task.best_rate
     return best, float(f"{10 * best:g}")
@@ -362,6 +380,15 @@ STUDIES: Mapping[str, Study] = by_name((
     Study("snr-long", "snr-long", "the SNR ablation's per-completion arm and the defaults without the factor, longer",
           seeds=tuple(range(10)), steps=60, rates=best_rate,
           methods=("oblrpo-defaults-snr-two-sided-cal5-per-sample", SNR_ABLATION_WITHOUT), folder="snr-long"),
+    # what each part buys: the arms paired by seed at each rate; under the grid's name, so that a grid run of an arm
+    # at one of these rates is one of its runs
+    Study("attribution", "grid", "GRPO, GRPO with the shipped trust region, the defaults without it and the defaults, "
+          "at TRL's 1e-6, GRPO's best rate and 10× it, paired test seeds", seeds=(0, 1, 2, 3, 4), steps=40,
+          rates=attribution_rates, methods=ATTRIBUTION_ARMS),
+    # the cells run before runs recorded their code, run again on one seed at GRPO's best rate by today's code: a run
+    # that reproduces its committed record step for step shows its cell is today's code
+    Study("reproduce", "grid", "committed cells run again on seed 0 at GRPO's best rate", seeds=(0,), steps=40,
+          rates=best_rate, methods=(REFERENCE, PEAK_DELTA_METHOD, "oblrpo-no-trust"), folder="reproduce"),
     Study("transfer", "transfer", "the grid's δ, unchanged, on the problem set's second task", seeds=(0, 1, 2),
           steps=40, rates=transfer_rates, on_transfer=True),
     Study("transfer-rate", "validation", "GRPO's best rate on the second task, screened on validation seeds",
@@ -385,6 +412,7 @@ STUDIES: Mapping[str, Study] = by_name((
 GRID = STUDIES["smollm2"]
 SNR_LONG = STUDIES["snr-long"]
 RESOLVE = STUDIES["resolve"]
+REPRODUCE = STUDIES["reproduce"]
 TRANSFER = STUDIES["transfer"]
 SUPERSEDED = "trust-region-v1"  # the first trust-region screen's runs, before steps with a zero gradient were left out
 

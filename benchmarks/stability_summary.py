@@ -22,13 +22,14 @@ from stability_figures import (  # noqa: E402
     Row, cells_row, compared_row, plot_collapse, plot_rates_used, plot_summary, resolve_row, screen_row,
 )
 from stability_measures import (  # noqa: E402
-    COLLAPSE_MARGIN, completion_lengths, defaults_twin, delta_units, grid_summary, median_completion_length,
-    paired_by_rate, screen_by_rate, smollm2_grid, snr_ablation, step_kl_spread,
+    COLLAPSE_MARGIN, EQUIVALENCE_MARGIN, completion_lengths, defaults_twin, delta_units, equivalence, grid_summary,
+    median_completion_length, paired_by_rate, reproduction, screen_by_rate, smollm2_grid, snr_ablation,
+    step_kl_spread,
 )
 from stability_registry import (  # noqa: E402
     CPU, DEFAULT, DELTA_METHOD, GRID, LONG_COMPLETIONS, PEAK_DELTA, PEAK_DELTA_METHOD, RATE_FOLLOWERS, REFERENCE,
-    RESOLVE, SNR_ABLATION_ARMS, SNR_ABLATION_WITHOUT, SNR_LONG, STUDIES, SUPERSEDED, SYNTHETIC_METHODS, TRANSFER,
-    ProblemSet, Study, problems_titled,
+    REPRODUCE, RESOLVE, SNR_ABLATION_ARMS, SNR_ABLATION_WITHOUT, SNR_LONG, STUDIES, SUPERSEDED, SYNTHETIC_METHODS,
+    TRANSFER, ProblemSet, Study, problems_titled,
 )
 
 # --- the folder's records --------------------------------------------------------------------------------------------
@@ -65,17 +66,15 @@ class Folder:
 
     output_dir: Path
     problems: ProblemSet
-    resamples: int
     tests: list[dict]
     validation: list[dict]
     elsewhere: dict[str, list[dict]] = field(default_factory=dict)  # test runs of the folders below runs/, read once
 
     @classmethod
-    def read(cls, output_dir: Path, problems: ProblemSet, resamples: int) -> Folder:
+    def read(cls, output_dir: Path, problems: ProblemSet) -> Folder:
         tests, validation = cached_runs(output_dir / "runs"), read_runs(output_dir / "runs", "validation")
         recorded = [*tests, *validation]
-        return cls(output_dir, problems_titled(recorded[0]["problems"]) if recorded else problems, resamples, tests,
-                   validation)
+        return cls(output_dir, problems_titled(recorded[0]["problems"]) if recorded else problems, tests, validation)
 
     def tests_in(self, folder: str) -> list[dict]:
         """The test runs of a folder under runs/ (`cached_runs`; runs/ itself for "")."""
@@ -99,7 +98,7 @@ class Folder:
         """`smollm2_grid` of the folder's grid runs; None before the untrained model and a grid run are there."""
         if self.initial is None:
             return None
-        return smollm2_grid(self.initial, self.runs_of(GRID), self.resamples, self.problems, self.problems.grid)
+        return smollm2_grid(self.initial, self.runs_of(GRID), self.problems, self.problems.grid)
 
 
 @dataclass
@@ -109,8 +108,16 @@ class Section:
     rows: list[Row] = field(default_factory=list)  # rows of summary.png
 
 
-def interval(mean: float, ci: list[float]) -> str:
-    return f"{mean:+.3f} [{ci[0]:+.3f}, {ci[1]:+.3f}]"
+def interval(mean: float, ci: list[float], sign: str = "+") -> str:
+    """The mean and its interval; "[one seed]" where a single seed gives no interval (`t_interval`'s NaN)."""
+    if math.isnan(ci[0]):
+        return f"{mean:{sign}.3f} [one seed]"
+    return f"{mean:{sign}.3f} [{ci[0]:{sign}.3f}, {ci[1]:{sign}.3f}]"
+
+
+# what a summary's "level" means, where it writes one
+LEVEL = (f"Level: the 95 % t-interval of a paired difference in final accuracy lies inside ±{EQUIVALENCE_MARGIN:g}, "
+         "the equivalence margin; otherwise not shown level.")
 
 
 def fraction(value: float | None) -> str:
@@ -121,26 +128,26 @@ def fraction(value: float | None) -> str:
 def cell_table(summary: dict, rates: list[float]) -> str:
     rows = []
     for method, entry in summary["methods"].items():
-        regret = (f"{entry['regret_mean']:.3f} [{entry['regret_ci'][0]:.3f}, {entry['regret_ci'][1]:.3f}]"
-                  if "regret_mean" in entry else "—")
+        regret = interval(entry["regret_mean"], entry["regret_ci"], sign="") if "regret_mean" in entry else "—"
         vs = (interval(entry["regret_minus_grpo"], entry["regret_minus_grpo_ci"]) if "regret_minus_grpo" in entry
               else "—")
         cells = []
         for rate in rates:
             cell = entry["by_lr"].get(f"{rate:.3g}")
             cells.append("—" if cell is None else
-                         f"{cell['final_acc_mean']:.3f} [{cell['final_acc_ci'][0]:.3f}, {cell['final_acc_ci'][1]:.3f}]"
-                         f" · {cell['collapse_fraction']:.0%}"
+                         interval(cell["final_acc_mean"], cell["final_acc_ci"], sign="")
+                         + f" · {cell['collapse_fraction']:.0%}"
                          f" · f {cell['factor_range'][0]:.2f}–{cell['factor_range'][1]:.2f}"
                          f" (n={len(cell['seeds'])})")
-        at_best = (interval(entry["at_grpo_best_minus_grpo"], entry["at_grpo_best_minus_grpo_ci"])
-                   if "at_grpo_best_minus_grpo" in entry else "—")
+        at_best = ("—" if "at_grpo_best_minus_grpo" not in entry else
+                   f"{interval(entry['at_grpo_best_minus_grpo'], entry['at_grpo_best_minus_grpo_ci'])} · "
+                   f"{equivalence(entry['at_grpo_best_minus_grpo_ci'])}")
         extra = (", ".join(f"{r:.3g}" for r in entry["collapses_where_grpo_does_not"]) or "none"
                  if "collapses_where_grpo_does_not" in entry else "—")
         name = f"{method} (= {entry['same_runs_as']}'s runs)" if "same_runs_as" in entry else method
         rows.append([name, *cells, regret, vs, at_best, extra])
     return markdown_table(["method", *[f"lr {r:.3g}: final [CI] · collapsed · factor" for r in rates],
-                           "regret [CI]", "regret − grpo [CI]", "at GRPO's best rate − grpo [CI]",
+                           "regret [CI]", "regret − grpo [CI]", "at GRPO's best rate − grpo [CI] · level",
                            "collapsed where GRPO did not"], rows)
 
 
@@ -154,9 +161,10 @@ def grid_section(folder: Folder) -> Section | None:
         [f"## SmolLM2-135M-Instruct ({details['problems']}, {details['steps']} steps of 8 completions, TRL's linear "
          f"schedule; untrained test accuracy {details['initial_accuracy']:.3f})\n",
          grader_warning(folder.tests),
-         f"Cell: final test accuracy [95 % CI] · collapsed fraction (final < untrained − {COLLAPSE_MARGIN:g}) · "
-         "realised SNR factor range (n = seeds). Regret: best cell mean final minus this method's final, averaged "
-         "over the rates, per seed; difference paired with `grpo` (bootstrap over seeds).\n",
+         f"Cell: final test accuracy [95 % t-interval over seeds] · collapsed fraction (final < untrained − "
+         f"{COLLAPSE_MARGIN:g}) · realised SNR factor range (n = seeds). Regret: best cell mean final minus this "
+         "method's final, averaged over the rates, per seed; differences paired with `grpo` (95 % t-interval over "
+         f"paired seeds). {LEVEL}\n",
          cell_table(summary, details["rates"]), ""],
         {**summary, "smollm2": {**details, "grader": learning.grader_of(folder.tests[0])}},
         [cells_row(f"SmolLM2-135M, {details['problems']}", summary, details["rates"])])
@@ -168,12 +176,13 @@ def forms_section(folder: Folder) -> Section | None:
         return None
     comparison = folder.grid[0]["forms"]
     rates = sorted({rate for by_rate in comparison.values() for rate in by_rate}, key=float)
-    rows = [[pair, *(f"{interval(c['mean'], c['ci'])} (n={len(c['seeds'])})" if (c := by_rate.get(rate)) else "—"
-                     for rate in rates)]
+    rows = [[pair, *(f"{interval(c['mean'], c['ci'])} (n={len(c['seeds'])}) · {equivalence(c['ci'])}"
+                     if (c := by_rate.get(rate)) else "—" for rate in rates)]
             for pair, by_rate in comparison.items()]
     return Section(["The trust region's forms (cap, target, peak), measuring cadences (every 8th, every 16th step) "
                     "and curvature readings (per unit rate, per unit of Adam's update), on OBLR-PO's and on GRPO's "
-                    "advantages, paired by seed at each rate both ran:\n",
+                    "advantages, paired by seed at each rate both ran (95 % t-interval over paired seeds). "
+                    f"{LEVEL}\n",
                     markdown_table(["final accuracy, paired by seed", *rates], rows), ""])
 
 
@@ -181,7 +190,8 @@ def form_regrets_section(folder: Folder) -> Section | None:
     """The forms' regret differences over the grid (`form_regret_differences`)."""
     if folder.grid is None or not folder.grid[0]["form_regrets"]:
         return None
-    return Section(["Regret difference over the grid, paired by seed (the seeds both ran at every rate):\n",
+    return Section(["Regret difference over the grid, paired by seed (the seeds both ran at every rate; 95 % "
+                    "t-interval over paired seeds):\n",
                     markdown_table(["pair", "regret difference [95 % CI]", "seeds"],
                                    [[pair, interval(d["mean"], d["ci"]), " ".join(map(str, d["seeds"]))]
                                     for pair, d in folder.grid[0]["form_regrets"].items()]), ""])
@@ -229,19 +239,20 @@ def snr_ablation_section(folder: Folder) -> Section | None:
     arms += [(f"{SNR_LONG.part}: {arm}", arm, longer) for arm in SNR_LONG.methods if arm != SNR_ABLATION_WITHOUT]
     screened = [m for m in (twin, SNR_ABLATION_WITHOUT, *SNR_ABLATION_ARMS) if m]
     ablation = snr_ablation(arms, SNR_ABLATION_WITHOUT, folder.validation, screened, folder.problems.best_rate,
-                            folder.resamples, defaults=twin)
+                            defaults=twin)
     if not ablation:
         return None
     rows = [[entry["with"], entry["steps"], f"{entry['with_final_mean']:.3f}", f"{entry['without_final_mean']:.3f}",
-             interval(entry["difference_mean"], entry["difference_ci"]), len(entry["seeds"]),
-             fraction(entry["acting_fraction"])]
+             interval(entry["difference_mean"], entry["difference_ci"]), equivalence(entry["difference_ci"]),
+             len(entry["seeds"]), fraction(entry["acting_fraction"])]
             for entry in ([ablation] if "with" in ablation else []) + list(ablation["variants"].values())]
     lines = [f"The SNR factor on and off, the rest of the defaults unchanged (final test accuracy at "
              f"{ablation['rate']:g}, paired by seed against `{SNR_ABLATION_WITHOUT}` over as many steps; acted: the "
-             "share of the arm's steps whose rate the factor moved by more than 1 %):\n"]
+             "share of the arm's steps whose rate the factor moved by more than 1 %; 95 % t-interval over paired "
+             f"seeds). {LEVEL}\n"]
     if rows:
-        lines += [markdown_table(["with the factor", "steps", "final", "without", "difference [95 % CI]", "seeds",
-                                  "acted"], rows), ""]
+        lines += [markdown_table(["with the factor", "steps", "final", "without", "difference [95 % CI]", "level",
+                                  "seeds", "acted"], rows), ""]
     if ablation["validation"]:
         lines += ["Validation runs that chose the arms (validation seeds and split):\n",
                   markdown_table(["method", "seed: final validation acc.", "acted"],
@@ -319,8 +330,7 @@ def transfer_section(folder: Folder) -> Section | None:
         return None
     runs = folder.tests_in(transfer.runs)
     initial = next((r for r in runs if r["method"] == "initial"), None)
-    grid = initial and smollm2_grid(initial, folder.runs_of(TRANSFER, transfer.runs), folder.resamples, transfer.task,
-                                    None)
+    grid = initial and smollm2_grid(initial, folder.runs_of(TRANSFER, transfer.runs), transfer.task, None)
     if not grid:
         return None
     summary, details = grid
@@ -365,7 +375,7 @@ def resolve_section(folder: Folder) -> Section | None:
          f"{RESOLVE.steps} steps, seed {seeds}; the rates tried)\n",
          "The window resolves once it holds `snr_calibration_steps` estimates (20 by default) whose mean ‖μ‖² has a "
          f"t-statistic ≥ {CALIBRATION_MIN_T:g}; until then the factor is 1.\n",
-         markdown_table(["run", "lr", "final acc.", "AUC", "resolved at step", "t: largest / last",
+         markdown_table(["run", "lr", "final acc.", "mean training reward", "resolved at step", "t: largest / last",
                          "f_t/f_ref once resolved", "factor range", "mean factor"], rows), ""],
         {"resolve": [{key: r[key] for key in ("method", "seed", "learning_rate", "accuracy")}
                      | {"auc": learning.auc(r), "lr_factor": r["traces"]["snr/lr_factor"],
@@ -376,12 +386,13 @@ def resolve_section(folder: Folder) -> Section | None:
 
 def compared_studies_section(folder: Folder) -> Section | None:
     """Per study that names a pair to compare (``compare``: with, without), per rate: the paired difference of final
-    test accuracy and of AUC with bootstrap 95 % intervals, and the share of the first arm's steps whose SNR factor
-    moved the rate (`paired_by_rate`); and a row of ``summary.png`` per study (`compared_row`)."""
+    test accuracy (level or not: `equivalence`) and of the mean training reward (AUC) with 95 % t-intervals over
+    paired seeds, and the share of the first arm's steps whose SNR factor moved the rate (`paired_by_rate`); and a row
+    of ``summary.png`` per study (`compared_row`)."""
     results, lines, rows = {}, [], []
     for study in STUDIES.values():
         runs = folder.runs_of(study) if study.compare else []
-        by_rate = paired_by_rate(runs, *study.compare, folder.resamples) if runs else {}
+        by_rate = paired_by_rate(runs, *study.compare) if runs else {}
         if not by_rate:
             continue
         mine, theirs = study.compare
@@ -393,12 +404,13 @@ def compared_studies_section(folder: Folder) -> Section | None:
         lines += [f"## {study.description[0].upper()}{study.description[1:]} (`{mine}` − `{theirs}`; "
                   f"{runs[0]['problems']}, {runs[0]['steps']} steps of {completions} completions, "
                   f"{completions // config['num_generations']} prompts a step; paired test seeds)\n",
-                  "Acted: the share of the first arm's steps whose rate the SNR factor moved by more than 1 %.\n",
+                  "Acted: the share of the first arm's steps whose rate the SNR factor moved by more than 1 %. "
+                  f"Intervals: 95 % t-interval over paired seeds. {LEVEL}\n",
                   markdown_table(["lr", "seeds", "final with", "final without", "final: difference [95 % CI]",
-                                  "AUC: difference [95 % CI]", "acted"],
+                                  "level", "mean training reward: difference [95 % CI]", "acted"],
                                  [[rate, len(c["seeds"]), f"{c['with_final_mean']:.3f}",
                                    f"{c['without_final_mean']:.3f}",
-                                   interval(c["difference_mean"], c["difference_ci"]),
+                                   interval(c["difference_mean"], c["difference_ci"]), equivalence(c["difference_ci"]),
                                    interval(c["auc_difference_mean"], c["auc_difference_ci"]),
                                    fraction(c["acting_fraction"])]
                                   for rate, c in by_rate.items()]), ""]
@@ -487,7 +499,8 @@ def trust_region_runs_section(folder: Folder) -> Section | None:
              if any(math.isfinite(k) for k in r["traces"]["oblr/step_kl"]) else "—"]
             for r in sorted(runs, key=lambda r: (r["learning_rate"], r["seed"], r["method"]))]
     lines = ["Trust-region runs so far (the grid is not complete: see the table above for the cells):\n",
-             markdown_table(["method", "lr", "seed", "final acc.", "AUC", "median step KL"], rows), ""]
+             markdown_table(["method", "lr", "seed", "final acc.", "mean training reward", "median step KL"], rows),
+             ""]
     collapse = plot_collapse(folder.runs_of(GRID), folder.problems, folder.output_dir)
     if collapse is not None:
         lines += [f"![one collapsing seed with and without the trust region]({collapse.name})\n"]
@@ -532,27 +545,48 @@ def synthetic_section(folder: Folder) -> Section | None:
         return None
     data = json.loads(path.read_text())
     cells = {m: {float(rate): runs for rate, runs in by_rate.items()} for m, by_rate in data["cells"].items()}
-    summary = grid_summary(cells, folder.resamples)
+    summary = grid_summary(cells)
     return Section(
         [f"## Synthetic testbed ({len(data['seeds'])} paired seeds, {data['task']['steps']} steps; methods without a "
          "suffix use TRL's linear schedule, `-constant` a constant rate)\n",
-         synthetic_defaults_line(), cell_table(summary, data["rates"]), ""],
+         synthetic_defaults_line(), f"{LEVEL}\n", cell_table(summary, data["rates"]), ""],
         {"synthetic": {**summary, "task": data["task"], "rates": data["rates"], "seeds": len(data["seeds"]),
                        "descriptions": data["descriptions"], "curves": data["curves"]}},
         [cells_row("synthetic testbed", summary, data["rates"])])
+
+
+def reproduce_section(folder: Folder) -> Section | None:
+    """The committed cells run again by today's code (`--part reproduce`), each beside its committed record."""
+    committed = {(r["method"], r["learning_rate"], r["seed"]): r for r in folder.runs_of(GRID)}
+    pairs = [(r, committed[key]) for r in folder.runs_of(REPRODUCE)
+             if (key := (r["method"], r["learning_rate"], r["seed"])) in committed]
+    if not pairs:
+        return None
+    rows = [reproduction(fresh, record) for fresh, record in pairs]
+    return Section(
+        ["## Committed cells run again (`--part reproduce`)\n",
+         "Each run made again by the code its record names, beside the committed run of the same method, rate and "
+         "seed: the largest difference of a step's rate used (relative) and of a step's mean reward over the 40 "
+         "steps. A run that reproduces step for step shows its cell is that code's.\n",
+         markdown_table(["method", "lr", "seed", "code", "rate used, max rel. difference", "reward, max difference",
+                         "final acc. (committed)", "step for step"],
+                        [[r["method"], r["learning_rate"], r["seed"], r["code"] or "—", r["rate_difference"],
+                          r["reward_difference"], f"{r['accuracy']:.3f} ({r['committed_accuracy']:.3f})",
+                          "yes" if r["step_for_step"] else "no"] for r in rows]), ""],
+        {"reproduce": rows})
 
 
 SECTIONS: tuple[Callable[[Folder], Section | None], ...] = (
     grid_section, forms_section, form_regrets_section, rate_rule_section, defaults_range_section, snr_ablation_section,
     beyond_grid_section, completion_lengths_section, rate_screen_section, transfer_rate_screen_section,
     transfer_section, resolve_section, compared_studies_section, delta_section, trust_region_runs_section,
-    superseded_section, synthetic_section)
+    superseded_section, synthetic_section, reproduce_section)
 
 
-def write_summary(output_dir: Path, problems: ProblemSet, resamples: int) -> None:
+def write_summary(output_dir: Path, problems: ProblemSet) -> None:
     """``summary.{json,md,png}`` in ``output_dir``: every section of `SECTIONS` with something to report, in order.
     ``problems``: the folder's problem set before any run says which."""
-    folder = Folder.read(output_dir, problems, resamples)
+    folder = Folder.read(output_dir, problems)
     sections = [section for section in (write(folder) for write in SECTIONS) if section is not None]
     if not sections:
         raise SystemExit("nothing has been run yet: run --part synthetic, smollm2 or resolve first")

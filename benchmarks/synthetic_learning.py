@@ -23,7 +23,7 @@ trainer drives it: the `defaults` arm runs exactly what ships — the trust regi
 linear decay, `schedule`). The KL of a measured step is taken on all of its completions' tokens (the trainer samples 8
 completions). A method's learning rate is chosen on validation seeds (highest mean area under the held-out curve) from
 a log-spaced grid; the comparison then runs on fresh test seeds, paired (same initial parameters and prompts per seed),
-with bootstrap 95 % intervals of the paired differences.
+with 95 % t-intervals of the paired differences over the paired seeds.
 
     python benchmarks/synthetic_learning.py                  # 20 validation + 100 test seeds, 16 min on 2 busy cores
 """
@@ -41,7 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
-    RESULTS, bootstrap_ci, markdown_table, new_figure, save_figure, shipped, write_results,
+    RESULTS, markdown_table, new_figure, save_figure, shipped, t_interval, write_results,
 )
 
 from oblr_trl.estimators.advantages import gradient_weighted_advantages  # noqa: E402
@@ -344,13 +344,13 @@ def main(argv: list[str] | None = None) -> int:
             "description": (METHODS.get(name) or constant).description,
             "best_lr": best[name],
             "auc_mean": float(result["auc"].mean()),
-            "auc_ci": bootstrap_ci(result["auc"]),
+            "auc_ci": t_interval(result["auc"].tolist()),
             "final_acc_mean": float(result["final"].mean()),
-            "final_acc_ci": bootstrap_ci(result["final"]),
+            "final_acc_ci": t_interval(result["final"].tolist()),
             "auc_minus_grpo": float(auc_diff.mean()),
-            "auc_minus_grpo_ci": bootstrap_ci(auc_diff),
+            "auc_minus_grpo_ci": t_interval(auc_diff.tolist()),
             "final_minus_grpo": float(final_diff.mean()),
-            "final_minus_grpo_ci": bootstrap_ci(final_diff),
+            "final_minus_grpo_ci": t_interval(final_diff.tolist()),
             "mean_lr_factor": float(result["mean_factor"].mean()),
             "mean_lr_over_configured": float(result["mean_lr"].mean()) / best[name],
             "lr_factor_range": [float(result["factor_trace"].min()), float(result["factor_trace"].max())],
@@ -369,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
         f"## Synthetic learning testbed ({len(test)} paired test seeds, {task.steps} steps, "
         f"{task.prompts_per_step} prompts × {task.group_size} completions a step)\n\n"
         "Each method at its own best learning rate (chosen on validation seeds). AUC: mean held-out greedy score over "
-        "the run; differences are paired against `grpo` with bootstrap 95 % intervals. The rate used is the "
+        "the run; differences are paired against `grpo` with 95 % t-intervals over paired seeds. The rate used is the "
         "configured one × the schedule (constant) × the SNR factor × the trust region's factor (`defaults`).\n\n"
         + markdown_table(["method", "best lr", "AUC", "AUC − grpo [95 % CI]", "final score", "final − grpo [95 % CI]",
                           "mean SNR factor", "SNR factor range", "mean rate ÷ configured"], rows)

@@ -38,56 +38,12 @@ def run(script, *args):
 
 
 @pytest.mark.parametrize("script", ["variance.py", "overhead.py", "learning.py", "synthetic_learning.py",
-                                    "stability.py", "step_kl_sampling.py", "random_model.py",
-                                    "exact_weights_profile.py", "kl_prediction.py", "snr_forms.py"])
+                                    "stability.py", "random_model.py", "exact_weights_profile.py"])
 def test_help(script):
     """Each script runs as a script (its imports resolve from its own folder)."""
     done = subprocess.run([sys.executable, str(BENCHMARKS / script), "--help"], capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0 and "usage" in done.stdout, done.stderr[-3000:]
-
-
-def synthetic_every_step_run(seed: int) -> dict:
-    """A run's traces in which every step's KL is exactly c·η²·ū² with c fixed and ū² shrinking as Adam's does, plus
-    one step without a gradient: the per-update predictor with this step's ū² is exact, the per-rate one overstates."""
-    steps = 24
-    rms = [(0.9 ** t) for t in range(steps)]
-    lr = [1e-7] + [1e-5 * (1 - t / steps) for t in range(1, steps)]
-    grad = [1.0] * steps
-    grad[5] = 0.0
-    kl = [2e9 * (lr[t] * rms[t]) ** 2 for t in range(steps)]
-    return {"method": "oblrpo-trust-peak-every1", "seed": seed, "learning_rate": 1e-5,
-            "traces": {"oblr/step_kl": kl, "oblr/lr": lr, "oblr/update_rms": rms, "grad_norm": grad}}
-
-
-def test_kl_prediction_replays_each_predictor_and_is_exact_where_the_model_holds(tmp_path):
-    """On traces where KL = c·η²·ū² holds exactly, the per-update predictor with the step's own ū² lands every step
-    on its aim (ratio 1) at every cadence; the per-rate one, blind to the shrinking update, overshoots (ratio < 1) and
-    the more so the rarer its readings; the last gradient step's ū² lands at (0.9²)^gap short of exact."""
-    sys.path.insert(0, str(BENCHMARKS))
-    import kl_prediction
-
-    runs_dir = tmp_path / "runs"
-    runs_dir.mkdir()
-    for seed in (10, 11):
-        (runs_dir / f"validation-oblrpo-trust-peak-every1-lr1e-05-seed{seed}.json").write_text(
-            json.dumps(synthetic_every_step_run(seed)))
-    out = tmp_path / "out"
-    assert kl_prediction.main(["--runs", str(runs_dir), "--output_dir", str(out)]) == 0
-    rows = json.loads((out / "kl_prediction.json").read_text())["predictors"]
-    assert {(r["predictor"], r["cadence"], r["ema_decay"]) for r in rows.values()} == {
-        (p, c, d) for p in kl_prediction.PREDICTORS for c in kl_prediction.CADENCES for d in kl_prediction.DECAYS}
-    for row in rows.values():
-        assert row["steps"] == 2 * 22  # every step with a gradient after the first reading, in both runs
-        if row["predictor"] == "per-update (this step's ū²)":
-            assert row["median"] == pytest.approx(1.0) and row["quartiles"] == pytest.approx([1.0] * 3)
-        elif row["predictor"] == "per-rate":
-            assert row["median"] < 0.95
-    per_rate = {c: rows[f"per-rate | every {c} | decay 0.0"]["median"] for c in (1, 16)}
-    assert per_rate[16] < per_rate[1]
-    assert rows["per-update | every 1 | decay 0.0"]["median"] == pytest.approx(0.81)  # ū² fell by 0.9² since
-    assert (out / "kl_prediction.md").read_text().count("\n| per-") == len(rows)
-    assert (out / "kl_prediction.png").stat().st_size > 0
 
 
 def test_variance_smoke(saved_tiny_model, tmp_path):
@@ -210,6 +166,71 @@ def test_t_interval_uses_students_quantile_at_small_n():
     low, high = t_interval([1.0, 1.1, 1.2])  # mean 1.1, s/√n = 0.1/√3
     assert (low + high) / 2 == pytest.approx(1.1)
     assert (high - low) / 2 == pytest.approx(4.3027 * 0.1 / 3**0.5, rel=1e-4)
+
+
+def students_t_interval(values: list[float]) -> list[float]:
+    """mean ± t_{0.975, n−1} · s/√n for 2 or 3 values, with the closed-form quantiles of 1 and 2 degrees of freedom
+    (tan(π(p − ½)); (2p − 1)/√(2p(1 − p))), so that a test does not check the benchmarks' interval against itself."""
+    import statistics
+
+    p = 0.975
+    quantile = {2: math.tan(math.pi * (p - 0.5)), 3: (2 * p - 1) / math.sqrt(2 * p * (1 - p))}[len(values)]
+    half = quantile * statistics.stdev(values) / math.sqrt(len(values))
+    return [statistics.fmean(values) - half, statistics.fmean(values) + half]
+
+
+def test_summaries_give_students_t_interval_over_paired_seeds_not_a_percentile_bootstrap():
+    """Three paired differences 0.1, 0, 0.2: mean ± 4.303 · 0.1/√3 = [−0.148, +0.348], wider than any resample of
+    them (a percentile bootstrap stays inside [0, 0.2]); the same in the stability grid's cells, its paired
+    differences and the learning benchmark's."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import learning
+    from stability_measures import grid_summary, paired_difference
+
+    expected = students_t_interval([0.1, 0.0, 0.2])
+    assert expected == pytest.approx([0.1 - 4.303 * 0.1 / math.sqrt(3), 0.1 + 4.303 * 0.1 / math.sqrt(3)], abs=1e-3)
+    assert paired_difference({0: 0.9, 1: 0.8, 2: 1.0}, {0: 0.8, 1: 0.8, 2: 0.8})["ci"] == pytest.approx(expected,
+                                                                                                      abs=1e-9)
+
+    def cell(finals):
+        return [{"seed": seed, "final": final, "auc": final, "initial": 0.3, "factor_min": 1.0, "factor_max": 1.0}
+                for seed, final in enumerate(finals)]
+
+    summary = grid_summary({"grpo": {1e-5: cell([0.8, 0.8, 0.8])}, "rule": {1e-5: cell([0.9, 0.8, 1.0])}})["methods"]
+    assert summary["rule"]["by_lr"]["1e-05"]["final_acc_ci"] == pytest.approx(
+        students_t_interval([0.9, 0.8, 1.0]), abs=1e-9)
+    assert summary["rule"]["at_grpo_best_minus_grpo_ci"] == pytest.approx(expected, abs=1e-9)
+
+    def record(method, seed, accuracy):
+        return {"method": method, "seed": seed, "learning_rate": 1e-5, "accuracy": accuracy, "reward": [accuracy],
+                "seconds": 60.0, "max_grad_norm": 1.0, "traces": {"snr/lr_factor": [1.0], "grad_norm": [0.5]}}
+
+    test = [record("grpo", s, 0.8) for s in range(3)] + [record("oblrpo", s, a) for s, a in enumerate([0.9, 0.8, 1.0])]
+    learned = learning.summarise([], test, ["oblrpo", "grpo"], [], {}, skip=0)["oblrpo"]
+    assert learned["final_acc_diff_vs_grpo_ci"] == pytest.approx(expected, abs=1e-9)
+    assert learned["auc_diff_vs_grpo_ci"] == pytest.approx(expected, abs=1e-9)
+
+
+def test_two_arms_are_called_level_only_inside_the_equivalence_margin():
+    """Level where the whole interval of the paired difference lies inside ±EQUIVALENCE_MARGIN; an interval that
+    covers 0 but reaches past the margin, or none (one seed), is not shown level."""
+    sys.path.insert(0, str(BENCHMARKS))
+    from stability_measures import EQUIVALENCE_MARGIN, equivalence, shown_level
+
+    assert EQUIVALENCE_MARGIN == 0.05
+    assert shown_level([-0.04, 0.05]) and equivalence([-0.04, 0.05]) == "level within ±0.05"
+    assert not shown_level([-0.06, 0.01]) and not shown_level([-0.01, 0.051])
+    assert not shown_level([math.nan, math.nan]) and equivalence([-0.2, 0.1]) == "not shown level"
+
+
+def test_the_summary_figure_draws_an_interval_only_where_an_accuracy_can_be():
+    """A t-interval of 2 or 3 seeds can reach past 0 and 1; the error bar stops there, and one seed draws none."""
+    sys.path.insert(0, str(BENCHMARKS))
+    from stability_figures import error_bar
+
+    assert error_bar({"final_acc_mean": 0.9, "final_acc_ci": [0.7, 1.4]}) == pytest.approx((0.2, 0.1))
+    assert error_bar({"final_acc_mean": 0.1, "final_acc_ci": [-0.5, 0.3]}) == pytest.approx((0.1, 0.2))
+    assert error_bar({"final_acc_mean": 0.5, "final_acc_ci": [math.nan, math.nan]}) == (0.0, 0.0)
 
 
 def test_lock_step_takes_the_rounds_in_the_balanced_orders_and_skips_a_trainer_that_left():
@@ -356,20 +377,6 @@ def test_overhead_times_generation_and_the_trainers_part_on_a_random_model_of_a_
         runs["oblrpo-kl-sample-2"]["mean_step_seconds"] / runs["grpo"]["mean_step_seconds"], rel=1e-6)
 
 
-def test_step_kl_sampling_smoke(saved_tiny_model, tmp_path):
-    out = run("step_kl_sampling.py", "--model", str(saved_tiny_model), "--steps", "12", "--sizes", "1", "4",
-              "--draws", "5", "--max_completion_length", "4", "--set", "num_generations=4", "--reward", "hash",
-              "--set", "learning_rate=1e-2", "--output_dir", str(tmp_path))
-    results = json.loads((tmp_path / "step_kl_sampling.json").read_text())
-    assert [r["sample_size"] for r in results["replays"]] == [1, 4]
-    assert len(results["replays"][0]["ratios"]) == 5 * len(results["steps"]) > 0
-    assert all(len(rows) == 8 for rows in results["steps"])  # every completion of every measured step
-    assert results["replays"][1]["relative_rmse"] > 0 and "| sample |" in out
-    assert [r["period"] for r in results["every_kth_step"]] == [1, 2, 4, 8]
-    assert len(results["steps"]) == len(results["rates"]) >= len(results["curvature"]["curvature"]) > 0
-    assert (tmp_path / "step_kl_sampling.png").exists()
-
-
 def test_overhead_under_fsdp2_on_two_cpu_processes_smoke(saved_tiny_model, tmp_path):
     run("overhead.py", "--model", str(saved_tiny_model), "--variants", "grpo", "oblrpo", "--repeats", "1", "--steps", "1",
         "--max_completion_length", "4", "--set", "num_generations=4", "--fsdp2_cpu_processes", "2",
@@ -380,7 +387,7 @@ def test_overhead_under_fsdp2_on_two_cpu_processes_smoke(saved_tiny_model, tmp_p
 
 def test_learning_smoke(saved_tiny_model, tmp_path):
     args = ["--model", str(saved_tiny_model), "--rates", "1e-5", "1e-4", "--validation_seeds", "7", "--test_seeds", "0",
-            "--steps", "2", "--eval_problems", "4", "--set", "max_grad_norm=0.5", "--jobs", "2", "--bootstrap", "50",
+            "--steps", "2", "--eval_problems", "4", "--set", "max_grad_norm=0.5", "--jobs", "2",
             "--output_dir", str(tmp_path)]
     out = run("learning.py", *args)
     results = json.loads((tmp_path / "summary.json").read_text())
@@ -396,12 +403,17 @@ def test_learning_smoke(saved_tiny_model, tmp_path):
     sweep, test = results["runs"]["sweep"], results["runs"]["test"]
     assert {r["seed"] for r in sweep} == {7} and {r["seed"] for r in test} == {0}
     assert all(r["max_grad_norm"] == 0.5 for r in sweep + test)  # --set reached every run
+    for record in sweep + test:  # each run names its code, its resolved config and each held-out problem's outcome
+        assert record["code"]["git_commit"] and record["code"]["trl"] and isinstance(record["code"]["git_dirty"], bool)
+        assert record["config"]["max_grad_norm"] == 0.5 and record["config"]["learning_rate"] == record["learning_rate"]
+        assert len(record["outcomes"]) == 4 and sum(record["outcomes"]) / 4 == pytest.approx(record["accuracy"])
     held_out = {name: [json.loads(line) for line in (tmp_path / "data" / f"{name}.jsonl").read_text().splitlines()]
                 for name in ("train", "validation", "test")}
     questions = {name: {row["question"] for row in rows} for name, rows in held_out.items()}
     assert len(questions["test"]) == len(questions["validation"]) == 4
     assert not questions["test"] & questions["train"] and not questions["validation"] & questions["train"]
     assert (tmp_path / "summary.png").exists() and "| oblrpo |" in out
+    assert "[one seed] · not shown level" in out  # one test seed: no interval, so the arms are not shown level
     runs_before = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "runs").iterdir()}
     assert len(runs_before) == 2 + 4 + 2 + 1  # untrained ×2 splits, sweep, test, control
     run("learning.py", *args)  # resumes: every run is kept, none is repeated
@@ -449,31 +461,6 @@ def test_synthetic_learning_smoke(tmp_path):
         assert entry["auc_ci"][0] <= entry["auc_mean"] <= entry["auc_ci"][1] and entry["seeds"] == 3
     assert methods["grpo"]["mean_lr_factor"] == 1.0 and methods["oblrpo-absolute"]["mean_lr_factor"] < 1.0
     assert (tmp_path / "summary.png").exists() and "AUC − grpo" in out
-
-
-def test_snr_forms_pairs_each_form_with_the_trust_region_alone_per_batch_size_schedule_and_rate(tmp_path, monkeypatch):
-    """Each form runs the shipped rule with its SNR factor: `none` has none, `raise-only` never lowers, `lower-only`
-    never raises, `paper` stays in [0.1, 1]; every difference is paired against `none`, and the summary, table and
-    figure are written."""
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    import snr_forms
-
-    snr_forms.main(["--prompts", "4", "8", "--validation_seeds", "2", "--test_seeds", "3", "--steps", "30",
-                    "--schedules", "constant", "linear", "--output_dir", str(tmp_path)])
-    summary = json.loads((tmp_path / "snr_forms.json").read_text())
-    assert set(summary["schedules"]) == {"constant", "linear"} and summary["test_seeds"] == [1000, 1001, 1002]
-    for schedule in summary["schedules"].values():
-        assert set(schedule) == {"4", "8"}
-        for size in schedule.values():
-            assert size["grpo_best_rate"] in snr_forms.GRPO_RATES and len(size["rates"]) == 2
-            for cells in (rate["forms"] for rate in size["rates"].values()):
-                assert set(cells) == set(snr_forms.FORMS)
-                assert cells["none"]["acts"] == 0.0 and cells["none"]["auc_minus_none"]["mean"] == 0.0
-                assert cells["raise-only"]["factor_range"][0] >= 1.0
-                assert cells["lower-only"]["factor_range"][1] <= 1.0 and cells["lower-only"]["factor_range"][0] >= 0.5
-                low, high = cells["paper"]["factor_range"]
-                assert 0.1 - 1e-6 <= low and high <= 1.0 and cells["paper"]["acts"] > 0
-    assert (tmp_path / "snr_forms.png").exists() and "AUC − none" in (tmp_path / "snr_forms.md").read_text()
 
 
 def test_synthetic_trust_region_probes_then_sizes_the_step_by_delta(monkeypatch):
@@ -545,6 +532,40 @@ def test_results_name_the_vllm_build_they_ran_with():
     assert environment().get("vllm") == vllm and ("vllm" in sys.modules) == imported
 
 
+def test_attribution_study_pairs_the_four_arms_at_trl_default_best_and_ten_times_best():
+    """GRPO, GRPO with the shipped trust region (GRPO's advantage from OBLR-PO's pieces, no SNR factor), the paper's
+    two parts without the trust region and the defaults, on paired test seeds at 1e-6, GRPO's best rate and 10× it."""
+    sys.path.insert(0, str(BENCHMARKS))
+    from stability_registry import A_PLUS_B, A_PLUS_B_REASONED, SMOLLM2_METHODS, STUDIES
+
+    from oblr_trl import OBLRPOConfig
+
+    study = STUDIES["attribution"]
+    assert study.rates(A_PLUS_B) == (1e-6, 1e-5, 1e-4) and study.rates(A_PLUS_B_REASONED) == (1e-6, 3e-5, 3e-4)
+    assert study.methods == ("grpo", "grpo-trust-region", "oblrpo-no-trust", "oblrpo-trust-peak-update-every16-kl0.005")
+    assert study.split == "test" and len(study.seeds) >= 5 and study.name == STUDIES["smollm2"].name
+    grpo_trust = SMOLLM2_METHODS["grpo-trust-region"].config_overrides(A_PLUS_B)
+    shipped = OBLRPOConfig(output_dir="unused", use_cpu=True)
+    assert grpo_trust["lr_trust_region_kl"] == shipped.lr_trust_region_kl  # the trust region as it ships
+    assert grpo_trust["lr_trust_region_measure_steps"] == 16
+    assert (grpo_trust["baseline_weights"], grpo_trust["leave_one_out"], grpo_trust["use_snr_lr"]) == ("uniform", False,
+                                                                                                         False)
+    assert SMOLLM2_METHODS["oblrpo-no-trust"].config_overrides(A_PLUS_B) == {"lr_trust_region_kl": None}
+
+
+def test_results_name_their_commit_and_whether_the_tree_differed_from_it():
+    sys.path.insert(0, str(BENCHMARKS))
+    from common import environment
+
+    found = environment()
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=BENCHMARKS)
+    changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", BENCHMARKS.parent,
+                              f":(exclude){BENCHMARKS / 'results'}"], capture_output=True, text=True,
+                             cwd=BENCHMARKS).stdout.strip()
+    assert found["git_commit"] == head.stdout.strip() and found["git_dirty"] is bool(changed)
+    assert ("git_diff_sha256" in found) is bool(changed)
+
+
 def test_stability_summary_tests_a_default_against_grpo_seed_by_seed():
     """The paired difference at GRPO's best rate, and the rates where a method collapsed (final more than 0.1 below
     the untrained model) on a seed where GRPO did not; a collapse GRPO shares is not listed."""
@@ -560,15 +581,14 @@ def test_stability_summary_tests_a_default_against_grpo_seed_by_seed():
     # 3e-5 run on seeds 0-1 only: above 1e-4's mean over all three seeds (0.9), below its mean over seeds 0-1 (0.95);
     # GRPO's best rate is the best on the seeds run at every rate
     cells["grpo"][3e-5], cells["rule"][3e-5] = cell([0.93, 0.93]), cell([0.93, 0.93])
-    entry = grid_summary(cells, resamples=200)["methods"]["rule"]
+    entry = grid_summary(cells)["methods"]["rule"]
     assert entry["grpo_best_rate"] == 1e-4
     assert entry["at_grpo_best_minus_grpo"] == pytest.approx((0.1 + 0.0 + 0.2) / 3)
     assert entry["at_grpo_best_seeds"] == 3
-    lower, upper = entry["at_grpo_best_minus_grpo_ci"]
-    assert 0.0 <= lower <= entry["at_grpo_best_minus_grpo"] <= upper <= 0.2 + 1e-6  # a bootstrap of 3 seeds, float32
+    assert entry["at_grpo_best_minus_grpo_ci"] == pytest.approx(students_t_interval([0.1, 0.0, 0.2]), abs=1e-9)
     # seed 0 at 3e-4 collapsed under GRPO as well; seed 1 at 1e-5 ended below the untrained 0.3, within the margin
     assert entry["collapses_where_grpo_does_not"] == [1e-5]
-    assert grid_summary(cells, resamples=200)["methods"]["rule"]["by_lr"]["1e-05"]["collapse_fraction"] == 1 / 3
+    assert grid_summary(cells)["methods"]["rule"]["by_lr"]["1e-05"]["collapse_fraction"] == 1 / 3
 
 
 def test_stability_compares_the_trust_regions_forms_seed_by_seed_on_every_seed_both_ran():
@@ -583,13 +603,12 @@ def test_stability_compares_the_trust_regions_forms_seed_by_seed_on_every_seed_b
     cells = {"oblrpo-trust-target-every8": {1e-6: cell([0.9, 0.8, 0.9, 0.7]), 1e-5: cell([0.9, 0.9])},
              "oblrpo-trust-cap-every8": {1e-6: cell([0.6, 0.6, 0.5]), 1e-5: cell([0.8, 1.0])},
              "grpo": {1e-6: cell([0.5, 0.6], first_seed=1)}}
-    comparison = form_comparison(cells, resamples=200)
+    comparison = form_comparison(cells)
     target_cap = comparison["oblrpo-trust-target-every8 - oblrpo-trust-cap-every8"]
     assert target_cap["1e-06"]["seeds"] == [0, 1, 2]  # seed 3 has no cap run
     assert target_cap["1e-06"]["mean"] == pytest.approx((0.3 + 0.2 + 0.4) / 3)
     assert target_cap["1e-05"]["mean"] == pytest.approx(0.0)
-    low, high = target_cap["1e-06"]["ci"]
-    assert 0.2 - 1e-6 <= low <= high <= 0.4 + 1e-6
+    assert target_cap["1e-06"]["ci"] == pytest.approx(students_t_interval([0.9 - 0.6, 0.8 - 0.6, 0.9 - 0.5]), abs=1e-9)
     target_grpo = comparison["oblrpo-trust-target-every8 - grpo"]
     assert set(target_grpo) == {"1e-06"} and target_grpo["1e-06"]["seeds"] == [1, 2]
     assert target_grpo["1e-06"]["mean"] == pytest.approx((0.3 + 0.3) / 2)
@@ -606,7 +625,7 @@ def test_stability_regret_difference_of_the_forms_is_paired_over_the_seeds_that_
              "oblrpo-trust-cap-every8": {1e-6: cell([0.6, 0.6]), 1e-5: cell([0.8, 0.9, 0.8])},
              "grpo": {1e-6: cell([0.5, 0.6, 0.5])},  # no run at 1e-5: no regret to compare
              "grpo-trust-target-every8": {1e-6: cell([0.8, 0.8, 0.8]), 1e-5: cell([0.8, 0.8, 0.8])}}
-    differences = form_regret_differences(cells, [1e-6, 1e-5], resamples=200)
+    differences = form_regret_differences(cells, [1e-6, 1e-5])
     assert set(differences) == {"oblrpo-trust-target-every8 - oblrpo-trust-cap-every8",
                                 "oblrpo-trust-target-every8 - grpo-trust-target-every8"}
     # what OBLR-PO adds on top of the default trust region: per seed −(0.1 + 0.1)/2, −(0 − 0.1)/2, −(0.1 + 0)/2
@@ -790,10 +809,11 @@ def test_the_summary_keeps_reporting_the_settled_methods_committed_runs(tmp_path
     write_records(tmp_path / "runs", [initial, *(snr_record(method, COLLAPSE_SEED, rate, final, [0.5, 0.5], [nan, nan],
                                                             "grid")
                                                  for method, final in finals.items() for rate in (1e-6, 1e-5))])
-    out = run("stability.py", "--part", "summary", "--output_dir", str(tmp_path), "--bootstrap", "50")
+    out = run("stability.py", "--part", "summary", "--output_dir", str(tmp_path))
     forms = json.loads((tmp_path / "summary.json").read_text())["forms"]
     paired = forms["oblrpo-trust-target-every8 - oblrpo-trust-cap-every8"]["1e-06"]
     assert paired["seeds"] == [COLLAPSE_SEED] and paired["mean"] == pytest.approx(0.2)
+    assert "+0.200 [one seed] (n=1) · not shown level" in out  # one seed gives no interval, so shows nothing level
     assert "Trust-region runs so far" in out and "| oblrpo-trust-cap | 1e-06 |" in out
     assert (tmp_path / "rates_used.png").stat().st_size > 0
 
@@ -824,12 +844,11 @@ def test_stability_snr_ablation_pairs_each_arm_with_the_defaults_without_the_fac
     arms = [("defaults", "defaults", runs), (SNR_ABLATION_ARMS[0], SNR_ABLATION_ARMS[0], runs),
             ("longer", SNR_ABLATION_ARMS[1], longer)]
     ablation = snr_ablation(arms, SNR_ABLATION_WITHOUT, validation, ["defaults", SNR_ABLATION_WITHOUT], 1e-5,
-                            resamples=200, defaults="defaults")
+                            defaults="defaults")
     assert ablation["with"] == "defaults" and ablation["without"] == SNR_ABLATION_WITHOUT and ablation["rate"] == 1e-5
     assert ablation["seeds"] == [0, 1]
     assert ablation["difference_mean"] == pytest.approx(((0.8 - 0.7) + (0.6 - 0.7)) / 2)
-    lower, upper = ablation["difference_ci"]
-    assert -0.1 - 1e-6 <= lower <= upper <= 0.1 + 1e-6  # a bootstrap of 2 seeds, float32
+    assert ablation["difference_ci"] == pytest.approx(students_t_interval([0.8 - 0.7, 0.6 - 0.7]), abs=1e-9)
     assert ablation["acting_fraction"] == pytest.approx(1 / 7)  # 1.5 of 7 finite factors; 1.005 is within 1 %
     variant = ablation["variants"][SNR_ABLATION_ARMS[0]]
     assert variant["seeds"] == [1] and variant["difference_mean"] == pytest.approx(-0.2)
@@ -840,9 +859,9 @@ def test_stability_snr_ablation_pairs_each_arm_with_the_defaults_without_the_fac
     assert paired_longer["acting_fraction"] == 0.0
     assert ablation["validation"]["defaults"] == {"final_by_seed": {10: 0.4}, "acting_fraction": 0.5}
     assert ablation["validation"][SNR_ABLATION_WITHOUT]["acting_fraction"] is None
-    at_another_rate = snr_ablation(arms[:1], SNR_ABLATION_WITHOUT, [], [], 1e-4, resamples=20, defaults="defaults")
+    at_another_rate = snr_ablation(arms[:1], SNR_ABLATION_WITHOUT, [], [], 1e-4, defaults="defaults")
     assert at_another_rate["seeds"] == [3]
-    assert snr_ablation([("defaults", "defaults", runs[:4])], SNR_ABLATION_WITHOUT, [], [], 1e-5, resamples=20,
+    assert snr_ablation([("defaults", "defaults", runs[:4])], SNR_ABLATION_WITHOUT, [], [], 1e-5,
                         defaults="defaults") == {}
 
 
@@ -932,7 +951,7 @@ def write_records(folder: Path, records: list[dict]) -> None:
 
 def test_the_compared_studys_summary_pairs_with_and_without_per_rate_in_accuracy_and_auc(tmp_path):
     """A study that names a pair to compare (snr-batch) gets a section of its own: per rate, with − without paired
-    by seed in final accuracy and in AUC (mean training reward), with bootstrap intervals, and the share of the first
+    by seed in final accuracy and in AUC (mean training reward), with t-intervals, and the share of the first
     arm's steps whose SNR factor moved the rate; no grid section, since none of its runs is the grid's."""
     sys.path.insert(0, str(BENCHMARKS))
     from stability_registry import SNR_ABLATION_WITHOUT
@@ -948,7 +967,7 @@ def test_the_compared_studys_summary_pairs_with_and_without_per_rate_in_accuracy
     records += [snr_record("oblrpo", 0, 1e-6, 0.6, [0.2, 0.4], [1.0, 1.0], "snr-batch", **batch),  # no partner
                 snr_record("oblrpo", 4, 1e-5, 0.1, [0.0, 0.0], [2.0, 2.0], "snr-long", **batch)]  # another study's
     write_records(tmp_path / "runs", records)
-    out = run("stability.py", "--part", "summary", "--output_dir", str(tmp_path), "--bootstrap", "200")
+    out = run("stability.py", "--part", "summary", "--output_dir", str(tmp_path))
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert "methods" not in summary and "snr_ablation" not in summary
     compared = summary["compared"]["snr-batch"]
@@ -961,6 +980,7 @@ def test_the_compared_studys_summary_pairs_with_and_without_per_rate_in_accuracy
     assert cell["auc_difference_ci"] == pytest.approx([0.1, 0.1])
     assert cell["acting_fraction"] == pytest.approx(1 / 6) and cell["with_final_mean"] == pytest.approx(2.2 / 3)
     assert "32 completions, 8 prompts a step" in out and "| 1e-05 | 3 | 0.733 | 0.767 | -0.033" in out
+    assert "| not shown level |" in out  # −0.033 ± 0.38: it covers 0, but reaches far past ±0.05
     assert (tmp_path / "summary.png").stat().st_size > 0 and "![summary](summary.png)" in out
 
 
@@ -973,7 +993,7 @@ def test_a_summary_without_a_figure_links_none(tmp_path, monkeypatch):
     write_records(tmp_path / "runs", [{"method": "initial", "seed": 0, "learning_rate": 0.0, "split": "test",
                                        "problems": "a + b", "accuracy": 0.5, "grader": 2}])
     monkeypatch.setattr(stability_summary, "SECTIONS", (lambda folder: stability_summary.Section(["## a table\n"]),))
-    stability_summary.write_summary(tmp_path, A_PLUS_B, resamples=50)
+    stability_summary.write_summary(tmp_path, A_PLUS_B)
     assert "## a table" in (tmp_path / "summary.md").read_text()
     assert not (tmp_path / "summary.png").exists() and "summary.png" not in (tmp_path / "summary.md").read_text()
 
@@ -998,7 +1018,7 @@ def test_runs_of_one_method_rate_and_seed_in_two_studies_are_told_apart_by_their
     another = snr_record(PEAK_DELTA_METHOD, 2, 1e-5, 0.1, [0.0] * 2, [2.0] * 2, "snr-batch")  # beside the grid's
     write_records(tmp_path / "runs", [initial, *grid, another])
     write_records(tmp_path / "runs" / SNR_LONG.folder, longer)
-    write_summary(tmp_path, A_PLUS_B, resamples=50)
+    write_summary(tmp_path, A_PLUS_B)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["smollm2"]["steps"] == 2 and summary["methods"][arm]["by_lr"]["1e-05"]["final_acc_mean"] == 0.8
     assert summary["methods"][PEAK_DELTA_METHOD]["by_lr"]["1e-05"]["seeds"] == [0, 1]
@@ -1032,7 +1052,7 @@ def test_the_grid_reports_the_defaults_from_the_trust_region_runs_that_are_them(
 
     def grid(method, *beside):
         runs = [trained(name, rate, 0.6) for name in ("grpo", method) for rate in A_PLUS_B.grid[:2]]
-        return smollm2_grid(initial, [*runs, *beside], 20, A_PLUS_B, A_PLUS_B.grid)
+        return smollm2_grid(initial, [*runs, *beside], A_PLUS_B, A_PLUS_B.grid)
 
     summary, details = grid(twin, trained(twin, 1e-3, 0.3))
     assert summary["methods"]["oblrpo"]["same_runs_as"] == twin
@@ -1137,9 +1157,9 @@ def test_the_long_completion_task_asks_for_reasoning_and_reports_how_long_the_an
     assert lengths["completion_tokens_at_end"]["grpo"]["1e-06"] == {"sampled_mean": 80.0, "greedy_median": 30.0,
                                                                      "runs": 2}
     assert lengths["completion_tokens_at_end"]["oblrpo"]["1e-05"]["runs"] == 1
-    section = completion_lengths_section(Folder(tmp_path, A_PLUS_B_REASONED, 20, runs, []))
+    section = completion_lengths_section(Folder(tmp_path, A_PLUS_B_REASONED, runs, []))
     assert section.results == lengths and "median 126 sampled" in "\n".join(section.markdown)
-    assert completion_lengths_section(Folder(tmp_path, A_PLUS_B, 20, runs, [])) is None
+    assert completion_lengths_section(Folder(tmp_path, A_PLUS_B, runs, [])) is None
     screen, lines = screen_lines([{"learning_rate": 1e-6, "seed": 11, "accuracy": 0.4},
                                   {"learning_rate": 1e-6, "seed": 10, "accuracy": 0.2},
                                   {"learning_rate": 3e-6, "seed": 10, "accuracy": 0.5}], A_PLUS_B_REASONED)
@@ -1163,7 +1183,7 @@ def test_the_long_completion_task_reports_what_delta_its_steps_would_read_and_ch
             (folder / "runs" / f"validation-{DELTA_METHOD}-lr3e-05-seed{seed}.json").write_text(json.dumps(
                 {"method": DELTA_METHOD, "seed": seed, "learning_rate": 3e-5, "problems": problems.title,
                  "traces": traces}))
-        main(["--part", "summary", "--output_dir", str(folder), "--bootstrap", "50"])
+        main(["--part", "summary", "--output_dir", str(folder)])
     long = json.loads((tmp_path / "long" / "summary.json").read_text())["trust_region_delta"]
     assert long["chosen"] is None and long["delta_of"] == A_PLUS_B.title
     # per completion: 0.1, 0.1, 0.04, 0.3, 0.25 (the NaN step dropped)
@@ -1203,7 +1223,7 @@ def test_stability_long_completion_screen_smoke(saved_tiny_model, tmp_path):
     model's sampled and greedy lengths in the summary, the prompt template each run was asked with on record."""
     run("stability.py", "--part", "validation", "--problems", "a+b-reasoned", "--model", str(saved_tiny_model),
         "--methods", "grpo", "--rates", "1e-4", "--seeds", "10", "--steps", "1", "--eval_problems", "4",
-        "--bootstrap", "50", "--output_dir", str(tmp_path))
+        "--output_dir", str(tmp_path))
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert list(summary["rate_screen"]) == ["0.0001"] and list(summary["rate_screen"]["0.0001"]) == ["10"]
     assert 0 < summary["median_completion_tokens"] <= 128 and 0 < summary["median_completion_tokens_greedy"] <= 128
@@ -1217,11 +1237,10 @@ TAKES_DELTA = "oblrpo-trust-peak-update-every16"  # the trust region at the prob
 def test_stability_smoke(saved_tiny_model, tmp_path):
     """Both parts at a tiny size: the cells, the regret paired with grpo, and a resumed grid that repeats no run."""
     run("stability.py", "--part", "synthetic", "--methods", "grpo", "oblrpo", "--test_seeds", "3", "--steps", "4",
-        "--rates", "0.1", "1", "--bootstrap", "50", "--output_dir", str(tmp_path))
+        "--rates", "0.1", "1", "--output_dir", str(tmp_path))
     smollm2 = ["--part", "smollm2", "--problems", "a±b", "--model", str(saved_tiny_model), "--methods", "grpo",
                "oblrpo", "--seeds", "0",
-               "--rates", "1e-4", "1e-3", "--steps", "1", "--eval_problems", "4", "--bootstrap", "50",
-               "--output_dir", str(tmp_path)]
+               "--rates", "1e-4", "1e-3", "--steps", "1", "--eval_problems", "4", "--output_dir", str(tmp_path)]
     out = run("stability.py", *smollm2)
     results = json.loads((tmp_path / "summary.json").read_text())
     for part in (results, results["synthetic"]):
@@ -1256,8 +1275,7 @@ def test_stability_smoke(saved_tiny_model, tmp_path):
     grid = json.loads((tmp_path / "summary.json").read_text())["methods"]
     # the grid's methods, rate and seed again in another study: told apart by their records, in a folder of their own
     out = run("stability.py", "--part", "resolve", "--model", str(saved_tiny_model), "--methods", "grpo", "oblrpo",
-              "--rates", "1e-4", "--steps", "1", "--eval_problems", "4", "--bootstrap", "50",
-              "--output_dir", str(tmp_path))
+              "--rates", "1e-4", "--steps", "1", "--eval_problems", "4", "--output_dir", str(tmp_path))
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert sorted(r["method"] for r in summary["resolve"]) == ["grpo", "oblrpo"] and summary["methods"] == grid
     assert all(len(r["lr_factor"]) == 1 for r in summary["resolve"]) and "t: largest / last" in out
@@ -1266,8 +1284,7 @@ def test_stability_smoke(saved_tiny_model, tmp_path):
                                                                              "num_generations": 4}
     assert json.loads((tmp_path / "runs" / "test-grpo-lr0.0001-seed0.json").read_text())["study"] == "grid"
     tiny = ["--problems", "a±b", "--model", str(saved_tiny_model), "--seeds", "10", "--rates", "1e-4", "--steps", "2",
-            "--eval_problems", "4",
-            "--bootstrap", "50", "--output_dir", str(tmp_path)]
+            "--eval_problems", "4", "--output_dir", str(tmp_path)]
     run("stability.py", "--part", "delta", *tiny)  # δ of the trust region from validation runs
     out = run("stability.py", "--part", "smollm2", "--methods", "oblrpo-paper", TAKES_DELTA, *tiny, "--seeds", "1",
               "--set", "lr_scheduler_type=constant")
@@ -1304,8 +1321,8 @@ def test_stability_smoke(saved_tiny_model, tmp_path):
     assert details["rates"] == [1e-4] and list(details["beyond_grid"]) == ["grpo @ 0.0003"]
     assert "Runs outside the grid" in out
     # a + b's δ carried to its own second task: GRPO's rate there screened on validation runs, then the transfer
-    sums_tiny = ["--model", str(saved_tiny_model), "--steps", "1", "--eval_problems", "4", "--bootstrap", "50",
-                 "--problems", "a+b", "--output_dir", str(sums)]
+    sums_tiny = ["--model", str(saved_tiny_model), "--steps", "1", "--eval_problems", "4", "--problems", "a+b",
+                 "--output_dir", str(sums)]
     out = run("stability.py", "--part", "transfer-rate", *sums_tiny, "--seeds", "10", "--rates", "1e-4")
     assert [p.name for p in (sums / "runs" / "transfer-products").glob("validation-*.json")] == [
         "validation-grpo-lr0.0001-seed10.json"]
@@ -1324,7 +1341,7 @@ def test_stability_smoke(saved_tiny_model, tmp_path):
     # the products' own grid (issue 40's second task), δ unchanged, in its own folder and with no transfer
     products = tmp_path / "products"
     out = run("stability.py", "--part", "smollm2", "--problems", "a×b", "--model", str(saved_tiny_model), "--steps",
-              "1", "--eval_problems", "4", "--bootstrap", "50", "--methods", "grpo", TAKES_DELTA,
+              "1", "--eval_problems", "4", "--methods", "grpo", TAKES_DELTA,
               "--seeds", "0", "--rates", "3e-6", "--output_dir", str(products))
     summary = json.loads((products / "summary.json").read_text())
     assert summary["smollm2"]["problems"] == "a × b (0…14)" and "transfer" not in summary
@@ -1378,3 +1395,23 @@ def test_each_run_is_a_process_of_its_own_forked_warm_and_a_failure_shows_its_ou
     assert results[0]["pair"] == [1, 2]  # what a run returns is what its JSON record says
     with pytest.raises(RuntimeError, match="(?s)the reason it failed.*failed on purpose"):
         common.run_in_subprocesses(str(script), [{"n": 0, "fail": True}], "a failing run")
+
+
+def test_reproduction_says_step_for_step_only_when_every_step_matches():
+    """A run made again beside its committed record: identical traces reproduce step for step; one step's rate off
+    by 1e-3 relative, or one step's reward off, does not, and the difference is reported in the traces' scale."""
+    sys.path.insert(0, str(BENCHMARKS))
+    from stability_measures import reproduction
+
+    committed = {"method": "grpo", "learning_rate": 1e-5, "seed": 0, "accuracy": 0.85, "reward": [0.2, 0.5, 0.75],
+                 "traces": {"learning_rate": [1e-5, 6.7e-6, 3.3e-6]}}
+    same = {**committed, "code": {"git_commit": "abc1234"}}
+    assert reproduction(same, committed) == {
+        "method": "grpo", "learning_rate": 1e-5, "seed": 0, "rate_difference": 0.0, "reward_difference": 0.0,
+        "accuracy": 0.85, "committed_accuracy": 0.85, "step_for_step": True, "code": "abc1234"}
+    off_rate = {**committed, "traces": {"learning_rate": [1e-5, 6.7e-6 * 1.001, 3.3e-6]}}
+    found = reproduction(off_rate, committed)
+    assert not found["step_for_step"] and found["rate_difference"] == pytest.approx(1e-3)
+    off_reward = {**committed, "reward": [0.2, 0.5, 0.625], "accuracy": 0.8}
+    found = reproduction(off_reward, committed)
+    assert not found["step_for_step"] and found["reward_difference"] == 0.125 and found["code"] is None

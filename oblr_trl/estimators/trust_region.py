@@ -73,7 +73,7 @@ def adam_update_square_sum(optimizer: torch.optim.Optimizer) -> torch.Tensor | N
     1 − β₂ᵗ: the same u, the bias corrections taken out of the elementwise work) over pieces of each state tensor
     small enough that their temporaries stay in the CPU's cache: the state is then read from memory once, where the
     elementwise form over whole tensors moved it about a dozen times and cost nearly what Adam's own step does
-    (docs/scaling.md, "What a step costs").
+    (benchmarks/README.md, "Under vLLM").
     """
     total: torch.Tensor | None = None
     count = 0
