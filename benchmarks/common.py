@@ -252,6 +252,24 @@ def t_interval(values, level: float = 0.95) -> list[float]:
     return [mean - half, mean + half]
 
 
+# how close two arms' final test accuracy must be to call them level: 3 of the 60 test problems of a + b and a × b (10
+# of a ± b's 200), below one run's binomial standard error (about 0.065 at 60), so a smaller difference is within what
+# a rerun on another seed moves. An interval that merely covers 0 does not show two arms level: its paired difference's
+# 95 % interval must lie inside ±EQUIVALENCE_MARGIN (two one-sided tests at 2.5 % each)
+EQUIVALENCE_MARGIN = 0.05
+
+
+def shown_level(ci: list[float]) -> bool:
+    """The 95 % interval of a paired difference in final accuracy lies inside ±`EQUIVALENCE_MARGIN`; False where it
+    is not defined (one seed)."""
+    return -EQUIVALENCE_MARGIN <= ci[0] and ci[1] <= EQUIVALENCE_MARGIN
+
+
+def equivalence(ci: list[float]) -> str:
+    """What the summaries say of a paired difference in final accuracy with interval ``ci`` (`shown_level`)."""
+    return f"level within ±{EQUIVALENCE_MARGIN:g}" if shown_level(ci) else "not shown level"
+
+
 def t_quantile(p: float, df: int) -> float:
     """The p-quantile (p > ½) of Student's t with ``df`` degrees of freedom: bisection on its distribution function,
     ½ + ∫₀ˣ of the density by Simpson's rule (to 1e-6, without scipy)."""

@@ -47,10 +47,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
+    EQUIVALENCE_MARGIN,
     RESULTS,
     build_trainer,
     code_and_versions,
     child_main,
+    equivalence,
     markdown_table,
     new_figure,
     parse_overrides,
@@ -435,7 +437,6 @@ def main(argv=None):
         methods.append(CONTROL)
 
     from oblr_trl.estimators.step_rate import RateRuleTuning
-    from stability_measures import EQUIVALENCE_MARGIN, equivalence  # it imports this module: not at the top
 
     skip = config["warmup_steps"] + RateRuleTuning().resolved_snr_calibration_steps
     summary = summarise(sweep, test, methods, rates, best, skip)

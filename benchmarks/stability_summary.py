@@ -16,13 +16,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import learning  # noqa: E402
-from common import RESULTS, markdown_table, shipped, write_results  # noqa: E402
+from common import EQUIVALENCE_MARGIN, RESULTS, equivalence, markdown_table, shipped, write_results  # noqa: E402
 from oblr_trl.estimators.snr import CALIBRATION_MIN_T  # noqa: E402
 from stability_figures import (  # noqa: E402
     Row, cells_row, compared_row, plot_collapse, plot_rates_used, plot_summary, resolve_row, screen_row,
 )
 from stability_measures import (  # noqa: E402
-    COLLAPSE_MARGIN, EQUIVALENCE_MARGIN, completion_lengths, defaults_twin, delta_units, equivalence, grid_summary,
+    COLLAPSE_MARGIN, completion_lengths, defaults_twin, delta_units, grid_summary,
     median_completion_length, paired_by_rate, reproduction, screen_by_rate, smollm2_grid, snr_ablation,
     step_kl_spread,
 )

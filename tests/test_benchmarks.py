@@ -215,7 +215,7 @@ def test_two_arms_are_called_level_only_inside_the_equivalence_margin():
     """Level where the whole interval of the paired difference lies inside ±EQUIVALENCE_MARGIN; an interval that
     covers 0 but reaches past the margin, or none (one seed), is not shown level."""
     sys.path.insert(0, str(BENCHMARKS))
-    from stability_measures import EQUIVALENCE_MARGIN, equivalence, shown_level
+    from common import EQUIVALENCE_MARGIN, equivalence, shown_level
 
     assert EQUIVALENCE_MARGIN == 0.05
     assert shown_level([-0.04, 0.05]) and equivalence([-0.04, 0.05]) == "level within ±0.05"
