@@ -1415,3 +1415,28 @@ def test_reproduction_says_step_for_step_only_when_every_step_matches():
     off_reward = {**committed, "reward": [0.2, 0.5, 0.625], "accuracy": 0.8}
     found = reproduction(off_reward, committed)
     assert not found["step_for_step"] and found["reward_difference"] == 0.125 and found["code"] is None
+
+
+def test_the_summary_sets_each_reproduced_run_beside_its_committed_record(tmp_path):
+    """`--part reproduce`'s runs (in runs/reproduce/) are compared with the grid's committed runs of the same method,
+    rate and seed; the grid's cells are unchanged by them, and a run that moved one reward is not step for step."""
+    sys.path.insert(0, str(BENCHMARKS))
+    from stability_registry import A_PLUS_B, REPRODUCE
+    from stability_summary import write_summary
+
+    nan = float("nan")
+    initial = {"method": "initial", "seed": 0, "learning_rate": 0.0, "split": "test", "problems": "a + b",
+               "accuracy": 0.5, "grader": 2}
+    committed = [snr_record(m, 0, 1e-5, 0.8, [0.25, 0.5], [nan, nan], "grid") for m in ("grpo", "oblrpo-no-trust")]
+    again = [{**snr_record("grpo", 0, 1e-5, 0.8, [0.25, 0.5], [nan, nan], "grid"), "code": {"git_commit": "abc1234"}},
+             {**snr_record("oblrpo-no-trust", 0, 1e-5, 0.7, [0.25, 0.375], [nan, nan], "grid"),
+              "code": {"git_commit": "abc1234"}}]
+    write_records(tmp_path / "runs", [initial, *committed])
+    write_records(tmp_path / "runs" / REPRODUCE.folder, again)
+    write_summary(tmp_path, A_PLUS_B)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    rows = {row["method"]: row for row in summary["reproduce"]}
+    assert rows["grpo"]["step_for_step"] and rows["grpo"]["code"] == "abc1234"
+    assert not rows["oblrpo-no-trust"]["step_for_step"] and rows["oblrpo-no-trust"]["reward_difference"] == 0.125
+    assert summary["methods"]["oblrpo-no-trust"]["by_lr"]["1e-05"]["final_acc_mean"] == 0.8  # the grid's own run
+    assert "Committed cells run again" in (tmp_path / "summary.md").read_text()
