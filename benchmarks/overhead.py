@@ -31,6 +31,7 @@ proxy off the logits) counts in the trainer's part.
     python benchmarks/overhead.py --interleave --variants grpo oblrpo oblrpo-no-trust --name overhead_interleaved
     python benchmarks/overhead.py --preset gpu --name overhead_gpu   # one GPU, nothing from the Hub (below)
     python benchmarks/overhead.py --preset gpu-lora --name overhead_gpu_lora   # the same under LoRA (rank 32)
+    python benchmarks/overhead.py --preset cpu-lora --variants grpo exact --name overhead_cpu_lora   # CPU, LoRA
     python benchmarks/overhead.py --preset gpu-vllm     # Qwen3-4B-Base, LoRA, vLLM colocate (needs the Hub and vLLM)
 
 The `gpu` preset needs nothing from the Hub: a randomly initialised model of SmolLM2-1.7B's shape with SmolLM2's
@@ -136,6 +137,7 @@ PRESETS = {
 # the gpu preset under LoRA: what most users with one GPU train, and where the exact weights' per-completion norms
 # cover the adapters' parameters only
 PRESETS["gpu-lora"] = {**PRESETS["gpu"], "peft": RECIPE_LORA}
+PRESETS["cpu-lora"] = {**PRESETS["cpu"], "peft": RECIPE_LORA}
 
 
 def parse_args(argv=None):
