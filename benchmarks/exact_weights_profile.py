@@ -18,6 +18,7 @@ thread and count under their operators, not under `.backward`), and the operator
     python benchmarks/exact_weights_profile.py                                  # built-in SmolLM2-135M, CPU preset size
     python benchmarks/exact_weights_profile.py --model random:smollm2-1.7b --rows 64 --chunk 16 \\
         --completion_length 64 --dtype bfloat16 --gradient_checkpointing --name exact_weights_profile_gpu   # GPU preset
+    python benchmarks/exact_weights_profile.py --lora --name exact_weights_profile_lora   # CPU preset, LoRA
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ def parse_args(argv=None):
     parser.add_argument("--completion_length", type=int, default=24)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--gradient_checkpointing", action="store_true", help="in the training pass, as TRL would")
+    parser.add_argument("--lora", action="store_true",
+                        help="train the recipes' LoRA adapters (overhead.RECIPE_LORA) instead of every parameter")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2, help="CPU threads (ignored on a GPU)")
     parser.add_argument("--seed", type=int, default=0)
@@ -90,6 +93,11 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     model = load_model(args.model, output_dir, args.dtype)
+    if args.lora:
+        from overhead import RECIPE_LORA
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(**RECIPE_LORA))
     model.train()
     generator = torch.Generator().manual_seed(args.seed)
     length = args.prompt_length + args.completion_length
@@ -146,6 +154,7 @@ def main(argv=None) -> int:
     top = [{"operator": e.key, "self_ms": getattr(e, self_key) / 1e3, "calls": e.count} for e in operators[:15]]
 
     parameters = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     clock = "kernel time on the GPU" if cuda else "CPU time"
     figure, axes = new_figure(2, (14, 4.5))
     axes[0].bar(list(medians), list(medians.values()))
@@ -157,7 +166,8 @@ def main(argv=None) -> int:
     figure_path = save_figure(figure, output_dir, args.name)
     markdown = (
         f"# Where the exact weights' time goes\n\n![profile]({figure_path.name})\n\n"
-        f"Model `{args.model}` ({parameters / 1e6:.0f} M parameters, {args.dtype}), {args.rows} rows of "
+        f"Model `{args.model}` ({parameters / 1e6:.0f} M parameters, {trainable / 1e6:.1f} M of them trained"
+        f"{' (LoRA adapters)' if args.lora else ''}, {args.dtype}), {args.rows} rows of "
         f"{args.prompt_length} prompt + {args.completion_length} completion tokens in chunks of {args.chunk}; "
         f"gradient checkpointing in the training pass: {args.gradient_checkpointing}; median of {args.repeats}.\n\n"
         + markdown_table(["pass", "s (median)", "÷ training pass"],
@@ -169,7 +179,7 @@ def main(argv=None) -> int:
         + "\n"
     )
     results = {"arguments": vars(args), "device": torch.cuda.get_device_name(0) if cuda else "cpu",
-               "parameters": parameters, "seconds": seconds, "median_seconds": medians,
+               "parameters": parameters, "trainable_parameters": trainable, "seconds": seconds, "median_seconds": medians,
                "ghost_to_training_pass": medians["ghost_pass"] / medians["training_pass"],
                "phases": phases, "profiled_total_ms": total_ms, "top_operators": top,
                "peak_memory_mib": torch.cuda.max_memory_allocated() / 2**20 if cuda else None}

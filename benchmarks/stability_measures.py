@@ -154,7 +154,11 @@ def rate_rule_traces(runs: list[dict]) -> dict:
       share whose rate used differs by more than 1 % from the previous step's — the schedule and the SNR factor acting
       on the step;
     * ``aim_ratio_*``: the measured ÷ aimed KL (`oblr/step_kl` ÷ `oblr/step_kl_target`) over the measured steps after
-      each run's first, pooled (median, quartiles) and each run's median (runs that log the aimed KL only)."""
+      each run's first, pooled (median, quartiles) and each run's median (runs that log the aimed KL only);
+    * ``by_rate``: per configured rate, of the steps with a gradient, the shares whose factor sat at the upper and at
+      the lower bound, the median of the rate the trust region asked for ÷ the scheduled rate (`oblr/trust_region_rate`
+      ÷ `learning_rate`, runs that log it) and the mean rate used ÷ the configured rate: where a bound, not the
+      measured KL, set the rate."""
     by_method: dict[str, dict] = {}
     for r in runs:
         traces = r.get("traces", {})
@@ -166,6 +170,18 @@ def rate_rule_traces(runs: list[dict]) -> dict:
         measured = [isinstance(v, float) and math.isfinite(v) for v in traces["oblr/step_kl"]]
         entry = by_method.setdefault(r["method"], {"pairs": 0, "moving": 0, "ratios": [], "run_medians": []})
         gradient = [g != 0 for g in traces["grad_norm"]]
+        cell = entry.setdefault("by_rate", {}).setdefault(r["learning_rate"], {
+            "steps": 0, "upper": 0, "lower": 0, "asked": [], "used": []})
+        asked = traces.get("oblr/trust_region_rate") or [math.nan] * len(used)
+        for t, has_gradient in enumerate(gradient):
+            if not has_gradient:
+                continue
+            cell["steps"] += 1
+            cell["upper"] += factors[t] >= high * 0.9999
+            cell["lower"] += factors[t] <= low * 1.0001
+            if math.isfinite(asked[t]) and traces["learning_rate"][t] > 0:
+                cell["asked"].append(asked[t] / traces["learning_rate"][t])
+        cell["used"].append(statistics.fmean(used) / r["learning_rate"])
         for t in range(1, len(used)):
             inside = low * 1.0001 < factors[t] < high * 0.9999
             if measured[t - 1] or not (gradient[t] and gradient[t - 1] and inside):
@@ -184,7 +200,15 @@ def rate_rule_traces(runs: list[dict]) -> dict:
     for method, entry in sorted(by_method.items()):
         summary[method] = {"inside_bounds_pairs": entry["pairs"],
                            "moving_fraction": entry["moving"] / entry["pairs"] if entry["pairs"] else None,
-                           "runs": sum(r["method"] == method for r in runs)}
+                           "runs": sum(r["method"] == method for r in runs),
+                           "by_rate": {rate: {"gradient_steps": cell["steps"],
+                                              "at_upper_bound": cell["upper"] / cell["steps"] if cell["steps"] else None,
+                                              "at_lower_bound": cell["lower"] / cell["steps"] if cell["steps"] else None,
+                                              "asked_over_scheduled_median": (statistics.median(cell["asked"])
+                                                                              if cell["asked"] else None),
+                                              "used_over_configured_mean": statistics.fmean(cell["used"]),
+                                              "runs": len(cell["used"])}
+                                       for rate, cell in sorted(entry["by_rate"].items())}}
         if entry["ratios"]:
             ratios = entry["ratios"]
             summary[method].update(aim_ratio_median=statistics.median(ratios),
@@ -192,6 +216,19 @@ def rate_rule_traces(runs: list[dict]) -> dict:
                                                         else ratios * 3),
                                    aim_ratio_run_medians=entry["run_medians"], aim_ratio_steps=len(ratios))
     return summary
+
+
+def code_of_runs(runs: list[dict]) -> dict[str, dict[str, int]]:
+    """Per method, how many of its runs each commit made (``<commit>+dirty`` where tracked files outside the results
+    differed from it; "not recorded" for runs made before records named their code)."""
+    by_method: dict[str, dict[str, int]] = {}
+    for r in runs:
+        code = r.get("code") or {}
+        label = (code["git_commit"] + ("+dirty" if code.get("git_dirty") else "")) if code.get("git_commit") \
+            else "not recorded"
+        counts = by_method.setdefault(r["method"], {})
+        counts[label] = counts.get(label, 0) + 1
+    return dict(sorted(by_method.items()))
 
 
 def rate_range(runs: list[dict], method: str, best_cell: float) -> dict:

@@ -22,7 +22,7 @@ from stability_figures import (  # noqa: E402
     Row, cells_row, compared_row, plot_collapse, plot_rates_used, plot_summary, resolve_row, screen_row,
 )
 from stability_measures import (  # noqa: E402
-    COLLAPSE_MARGIN, completion_lengths, defaults_twin, delta_units, grid_summary,
+    COLLAPSE_MARGIN, code_of_runs, completion_lengths, defaults_twin, delta_units, grid_summary,
     median_completion_length, paired_by_rate, reproduction, screen_by_rate, smollm2_grid, snr_ablation,
     step_kl_spread,
 )
@@ -170,6 +170,23 @@ def grid_section(folder: Folder) -> Section | None:
         [cells_row(f"SmolLM2-135M, {details['problems']}", summary, details["rates"])])
 
 
+def code_section(folder: Folder) -> Section | None:
+    """The commits the folder's runs were made by, per method (`code_of_runs`): a cell is today's code only where its
+    runs name a commit whose trajectory-changing code is HEAD's, or where `--part reproduce` shows it."""
+    runs = [r for r in [*folder.tests, *folder.validation] if r["method"] != "initial"]
+    if not runs:
+        return None
+    code = code_of_runs(runs)
+    return Section(["The code each method's runs (test and validation, every study) were made by: the commit their "
+                    "records name and how many runs each made (\"not recorded\": made before run records named their "
+                    "code; `--part reproduce` runs such cells again):\n",
+                    markdown_table(["method", "runs", "commits (runs)"],
+                                   [[method, sum(counts.values()),
+                                     ", ".join(f"{label} ({n})" for label, n in counts.items())]
+                                    for method, counts in code.items()]), ""],
+                   {"code": code})
+
+
 def forms_section(folder: Folder) -> Section | None:
     """The trust region's forms, paired by seed at each rate both ran (`form_comparison`)."""
     if folder.grid is None or not folder.grid[0]["forms"]:
@@ -212,7 +229,20 @@ def rate_rule_section(folder: Folder) -> Section | None:
                     "moved between measurements while the factor sat inside its bounds, and where the measured steps "
                     "landed against the KL the rule aimed them at:\n",
                     markdown_table(["method", "runs", "rate moved > 1 % between measurements, inside the bounds",
-                                    "measured ÷ aimed KL after the first measurement: median [quartiles]"], rows), ""])
+                                    "measured ÷ aimed KL after the first measurement: median [quartiles]"], rows), "",
+                    "Where a bound set the rate, per configured rate (steps with a gradient; the bounds are 0.01× and "
+                    "10× the scheduled rate, 1× for the `cap` form): the share at each bound, the rate the trust "
+                    "region asked for ÷ the scheduled rate (median; runs that log it) and the rate used ÷ the "
+                    "configured rate (mean over steps and runs):\n",
+                    markdown_table(["method", "lr", "runs", "steps with a gradient", "at the upper bound",
+                                    "at the lower bound", "asked ÷ scheduled (median)", "used ÷ configured"],
+                                   [[method, rate, cell["runs"], cell["gradient_steps"], fraction(cell["at_upper_bound"]),
+                                     fraction(cell["at_lower_bound"]),
+                                     "—" if cell["asked_over_scheduled_median"] is None
+                                     else f"{cell['asked_over_scheduled_median']:.3g}",
+                                     f"{cell['used_over_configured_mean']:.3g}"]
+                                    for method, entry in folder.grid[0]["rate_rule"].items()
+                                    for rate, cell in entry["by_rate"].items()]), ""])
 
 
 def defaults_range_section(folder: Folder) -> Section | None:
@@ -577,7 +607,7 @@ def reproduce_section(folder: Folder) -> Section | None:
 
 
 SECTIONS: tuple[Callable[[Folder], Section | None], ...] = (
-    grid_section, forms_section, form_regrets_section, rate_rule_section, defaults_range_section, snr_ablation_section,
+    grid_section, code_section, forms_section, form_regrets_section, rate_rule_section, defaults_range_section, snr_ablation_section,
     beyond_grid_section, completion_lengths_section, rate_screen_section, transfer_rate_screen_section,
     transfer_section, resolve_section, compared_studies_section, delta_section, trust_region_runs_section,
     superseded_section, synthetic_section, reproduce_section)

@@ -73,6 +73,9 @@ BASELINES = {
     "weighted": ("logit LOO, weighted (the paper's estimator)", "logit", "loo"),
     "shrunk": ("logit LOO, shrunk λ=0.5", "logit", "shrunk"),
     "pooled_slope": ("pooled slope LOO, logit weights (OBLR-PO default)", "logit", "pooled"),
+    # the control that separates pooling from weighting: with uniform weights b* is the prompt's mean reward, and
+    # what the slope still buys is the shrinkage of the leave-one-out mean (docs/math.md, "ρ̂ without weights")
+    "uniform_pooled_slope": ("pooled slope LOO, uniform weights (control: no weights)", "uniform", "pooled"),
     "exact_subset_group": ("exact, whole group", "exact", "group"),
     "exact_subset_loo": ("exact LOO", "exact", "loo"),
     "exact_group": ("exact full-model, whole group", "exact_full", "group"),
@@ -208,7 +211,7 @@ def group_variances(gram, rewards, weights, group_size, draws, generator, slopes
 
     result = {}
     for name, (_, source, kind) in BASELINES.items():
-        w = torch.ones_like(r) if source == "uniform" else weights[source][index]
+        w = weights[source][index]
         if kind == "shrunk":
             baseline = shrunk_baseline(r, w, SHRINKAGE)
         elif kind == "pooled":
@@ -311,7 +314,8 @@ def measure(model_path, args, label):
         gram = (gradients.double() @ gradients.double().T)
         del gradients
         full = full_model_norms(model, prompt_ids, completions, args.temperature)
-        weights = {"exact": gram.diagonal().clone(), "exact_full": full, "logit": logit, "length": length}
+        weights = {"exact": gram.diagonal().clone(), "exact_full": full, "logit": logit, "length": length,
+                   "uniform": torch.ones_like(rewards)}
         pools.append({"gram": gram, "rewards": rewards, "weights": weights})
     slopes = [fit_slopes(pools, k, args.group_size, args.draws, generator) for k in range(len(pools))]
     per_prompt = [

@@ -224,6 +224,38 @@ def test_pooled_slope_is_the_weighted_least_squares_slope_and_round_trips():
     assert fit.value == restored.value
 
 
+@pytest.mark.parametrize("correct", range(9))
+def test_without_weights_the_slope_of_a_group_follows_its_majority(correct):
+    """Uniform weights, binary rewards, k right of G: Σ_i (r_i − p̂₋ᵢ)·v̂₋ᵢ = k(G−k)(2k−G)/(G−1)³ (docs/math.md,
+    "ρ̂ without weights"): the leave-one-out mean and variance move together, so the slope is not 0 but takes the
+    sign of the batch's accuracy − ½."""
+    from oblr_trl.estimators.baselines import PooledSlope
+
+    group_size = 8
+    rewards = torch.tensor([[1.0] * correct + [0.0] * (group_size - correct)], dtype=torch.float64)
+    fit = PooledSlope(decay=0.0)
+    fit.update(rewards, torch.ones_like(rewards))
+    expected = correct * (group_size - correct) * (2 * correct - group_size) / (group_size - 1) ** 3
+    assert fit.numerator * group_size == pytest.approx(expected, abs=1e-12)  # the fit divides its sums by n·mean w
+
+
+@pytest.mark.parametrize("accuracy, slope", [(0.1, -0.71795), (0.25, -0.35897), (0.5, 0.0), (0.75, 0.35897)])
+def test_without_weights_the_fitted_slope_is_the_shrinkage_of_the_loo_mean(accuracy, slope):
+    """Groups of 8 from one accuracy p: ρ̂ fitted with uniform weights converges to its binomial expectation
+    Σ_k P(k) Σ_i e v̂ / Σ_k P(k) Σ_i v̂² (the values: the exact sums over k = 0..8), negative below p = ½; b_i =
+    p̂₋ᵢ + ρ̂ v̂₋ᵢ then pulls the leave-one-out mean toward p and has a smaller squared error to it than RLOO."""
+    from oblr_trl.estimators.baselines import PooledSlope, pooled_slope_baseline
+
+    generator = torch.Generator().manual_seed(0)
+    rewards = (torch.rand(20000, 8, generator=generator, dtype=torch.float64) < accuracy).double()
+    fit = PooledSlope(decay=0.0)
+    fit.update(rewards, torch.ones_like(rewards))
+    assert fit.value == pytest.approx(slope, abs=0.02)  # ~5 standard errors at 20 000 groups
+    if slope:
+        error = lambda rho: ((pooled_slope_baseline(rewards, rho).baseline - accuracy) ** 2).mean().item()
+        assert error(fit.value) < error(0.0)
+
+
 def test_advantages_dispatch_to_the_estimator():
     rewards = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 1.0, 1.0], dtype=torch.float64)
     weights = torch.tensor([1.0, 9.0, 2.0, 3.0, 1.0, 1.0, 5.0, 2.0], dtype=torch.float64)

@@ -53,7 +53,7 @@ def test_variance_smoke(saved_tiny_model, tmp_path):
     results = json.loads((tmp_path / "variance.json").read_text())
     assert len(results["points"]) == 2 and results["environment"]["command"].startswith("python")
     names = [row["name"] for row in results["points"][0]["baselines"]]
-    assert {"weighted", "shrunk", "pooled_slope", "exact_weighted", "oracle_b_star", "oracle_mean",
+    assert {"weighted", "shrunk", "pooled_slope", "uniform_pooled_slope", "exact_weighted", "oracle_b_star", "oracle_mean",
             "rloo_exact_shift"} <= set(names)
     assert results["default_estimator"] in results["estimators"]
     entry = results["estimators"]["shrunk"]
@@ -325,10 +325,14 @@ def test_overhead_resume_reuses_the_recorded_runs_and_runs_only_the_missing_ones
     assert len(log.read_text().splitlines()) == 2
 
 
-def test_exact_weights_profile_smoke(saved_tiny_model, tmp_path):
+@pytest.mark.parametrize("lora", [False, True])
+def test_exact_weights_profile_smoke(saved_tiny_model, tmp_path, lora):
     out = run("exact_weights_profile.py", "--model", str(saved_tiny_model), "--rows", "4", "--chunk", "2",
-              "--prompt_length", "4", "--completion_length", "3", "--repeats", "1", "--output_dir", str(tmp_path))
+              "--prompt_length", "4", "--completion_length", "3", "--repeats", "1", "--output_dir", str(tmp_path),
+              *(["--lora"] if lora else []))
     results = json.loads((tmp_path / "exact_weights_profile.json").read_text())
+    # under LoRA only the adapters train, and the ghost pass measures their norms (`linear` terms of lora_A/B)
+    assert (results["trainable_parameters"] < results["parameters"] / 2) == lora
     assert set(results["median_seconds"]) == {"training_pass", "no_grad_forward", "ghost_pass"}
     phases = {row["phase"]: row for row in results["phases"]}
     assert {"backbone_forward", "backward", "linear", "head_backward"} <= set(phases)
@@ -433,13 +437,18 @@ def test_variance_noise_to_signal_ignores_the_whole_group_shrinkage():
     gradients = torch.randn(16, 5, generator=generator, dtype=torch.float64) + 0.3
     rewards = (torch.rand(16, generator=generator) < 0.4).double()
     weights = {source: torch.rand(16, generator=generator, dtype=torch.float64) + 0.1
-               for source in ("exact", "exact_full", "logit", "length")}
-    slopes = {"logit": 0.0, "exact_full": 0.0}  # ρ = 0: the pooled baselines are RLOO
+               for source in ("exact", "exact_full", "logit", "length")} | {"uniform": torch.ones(16, dtype=torch.float64)}
+    slopes = {"logit": 0.0, "exact_full": 0.0, "uniform": 0.0}  # ρ = 0: the pooled baselines are RLOO
     result = group_variances(gradients @ gradients.T, rewards, weights, 4, 4000, generator, slopes)
     (trace_mean, signal_mean), (trace_rloo, signal_rloo) = result["grpo"], result["rloo"]
     assert trace_mean / trace_rloo == pytest.approx((3 / 4) ** 2)
     assert trace_mean / signal_mean == pytest.approx(trace_rloo / signal_rloo)
     assert result["pooled_slope"] == pytest.approx(result["rloo"])
+    assert result["uniform_pooled_slope"] == pytest.approx(result["rloo"])
+    # the control's own slope is used: ρ ≠ 0 with uniform weights is RLOO shifted by ρ·v̂, no longer RLOO
+    shifted = group_variances(gradients @ gradients.T, rewards, weights, 4, 4000, torch.Generator().manual_seed(0),
+                              {**slopes, "uniform": -0.5})
+    assert shifted["uniform_pooled_slope"] != pytest.approx(shifted["rloo"])
     trace_exact, signal_exact = result["exact_subset_loo"]
     assert abs(trace_exact / signal_exact - trace_rloo / signal_rloo) > 1e-3 * trace_rloo / signal_rloo
     # gradients are centred in the pool (score identity): every leave-one-out baseline has the same expectation, so
@@ -1440,3 +1449,40 @@ def test_the_summary_sets_each_reproduced_run_beside_its_committed_record(tmp_pa
     assert not rows["oblrpo-no-trust"]["step_for_step"] and rows["oblrpo-no-trust"]["reward_difference"] == 0.125
     assert summary["methods"]["oblrpo-no-trust"]["by_lr"]["1e-05"]["final_acc_mean"] == 0.8  # the grid's own run
     assert "Committed cells run again" in (tmp_path / "summary.md").read_text()
+
+
+def test_the_rule_summary_says_where_a_bound_set_the_rate():
+    """Per configured rate, of the steps with a gradient: the share at the 10× and at the 0.01× bound, what the trust
+    region asked for ÷ the scheduled rate, and the rate used ÷ the configured rate."""
+    sys.path.insert(0, str(BENCHMARKS))
+    from stability_measures import rate_rule_traces
+
+    nan = float("nan")
+    low = {"method": "rule", "learning_rate": 1e-6, "lr_trust_region_kl": 0.005, "lr_trust_region_mode": "peak",
+           "traces": {"oblr/trust_region_factor": [0.01, 10.0, 10.0, 1.0, 10.0],
+                      "grad_norm": [1.0, 1.0, 2.0, 0.0, 1.0],
+                      "learning_rate": [1e-6, 1e-6, 1e-6, 1e-6, 1e-6],
+                      "oblr/lr": [1e-8, 1e-5, 1e-5, 1e-6, 1e-5],
+                      "oblr/trust_region_rate": [nan, 4e-5, 6e-5, 6e-5, 8e-5],
+                      "oblr/step_kl": [nan, 1e-3, nan, nan, nan]}}
+    high = {**low, "learning_rate": 1e-4, "traces": {**low["traces"], "oblr/trust_region_factor": [0.01] + [0.5] * 4,
+                                                      "learning_rate": [1e-4] * 5, "oblr/lr": [1e-6] + [5e-5] * 4}}
+    by_rate = rate_rule_traces([low, high])["rule"]["by_rate"]
+    assert by_rate[1e-6]["gradient_steps"] == 4  # the step without a gradient runs at the scheduled rate by rule
+    assert by_rate[1e-6]["at_upper_bound"] == pytest.approx(3 / 4)
+    assert by_rate[1e-6]["at_lower_bound"] == pytest.approx(1 / 4)
+    assert by_rate[1e-6]["asked_over_scheduled_median"] == pytest.approx(60.0)  # of 40, 60, 80
+    assert by_rate[1e-6]["used_over_configured_mean"] == pytest.approx((1e-8 + 3e-5 + 1e-6) / 5 / 1e-6)
+    assert by_rate[1e-4]["at_upper_bound"] == 0 and by_rate[1e-4]["used_over_configured_mean"] < 1
+
+
+def test_the_summary_names_the_code_each_methods_runs_were_made_by():
+    sys.path.insert(0, str(BENCHMARKS))
+    from stability_measures import code_of_runs
+
+    runs = [{"method": "grpo", "code": {"git_commit": "abc1234", "git_dirty": False}},
+            {"method": "grpo", "code": {"git_commit": "abc1234", "git_dirty": True}},
+            {"method": "grpo"},
+            {"method": "oblrpo", "code": {"git_commit": "abc1234", "git_dirty": False}}]
+    assert code_of_runs(runs) == {"grpo": {"abc1234": 1, "abc1234+dirty": 1, "not recorded": 1},
+                                  "oblrpo": {"abc1234": 1}}

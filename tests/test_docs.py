@@ -2,6 +2,7 @@
 README and the docs resolves, every metric the code logs is documented, and the pages keep the shape a reader needs
 (a README that lands, reference pages without dated history)."""
 
+import json
 import re
 import sys
 from pathlib import Path
@@ -142,7 +143,6 @@ def test_the_delta_recipe_of_the_rate_rule_gets_the_committed_delta_from_the_com
     trust region at GRPO's best rate, validation seeds, every step logged): the median of each gradient step's KL
     scaled by (configured ÷ logged `learning_rate`)² is the committed one, and rounds to the δ that ships. Scaling by
     the logged `learning_rate` ÷ `oblr/lr` instead (the recipe as it read before) gives a δ 4× too small."""
-    import json
     import statistics
 
     from oblr_trl import OBLRPOConfig
@@ -167,3 +167,18 @@ def test_the_delta_recipe_of_the_rate_rule_gets_the_committed_delta_from_the_com
     assert delta == pytest.approx(committed["step_kl_at_peak_quartiles"][1], rel=1e-12)
     assert float(f"{delta:.0e}") == OBLRPOConfig.lr_trust_region_kl == 0.005
     assert statistics.median(unscaled) < delta / 3  # 1.2e-3: what the recipe gave as it read before
+
+
+def test_where_rate_free_stops_quotes_the_committed_summaries():
+    """docs/rate_rule.md's figures for TRL's 1e-6 (share of gradient steps at the 10× bound, the rate asked for ÷ the
+    scheduled one) are the committed summaries' (`rate_rule_traces`), for sums and for sums answered step by step."""
+    text = " ".join((ROOT / "docs" / "rate_rule.md").read_text().split())
+    quoted = re.search(r"sat at 10× on (\d+) % of the steps with a gradient, the trust region asking for (\d+)× .*? it sat "
+                       r"there on (\d+) %, asking for (\d+)×", text)
+    assert quoted, "the paragraph on where rate-free stops moved"
+    measured = []
+    for folder in ("stability", "stability-long"):
+        summary = json.loads((ROOT / "benchmarks" / "results" / folder / "summary.json").read_text())
+        cell = summary["rate_rule"]["oblrpo-trust-peak-update-every16-kl0.005"]["by_rate"]["1e-06"]
+        measured += [round(100 * cell["at_upper_bound"]), round(cell["asked_over_scheduled_median"])]
+    assert [int(value) for value in quoted.groups()] == measured

@@ -171,6 +171,8 @@ class PooledSlope:
     E[w (r − b)²] among b = p̂ + ρ v̂): ρ̂ = Σ w e v̂ / Σ w v̂². Numerator and denominator are moving averages over
     batches (decay β; their ratio needs no bias correction) of each batch's sums divided by n·mean(w), and a batch
     updates ρ̂ only after its own baselines are computed. A NaN weight (not measured) leaves its row out of the sums.
+    With uniform weights ρ̂ is not 0: p̂ and v̂ come from the same rewards, and the slope shrinks the leave-one-out mean
+    toward the batch's accuracy (docs/math.md, "ρ̂ without weights").
     """
 
     def __init__(self, decay: float = 0.9):
