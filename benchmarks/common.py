@@ -70,6 +70,12 @@ def code_and_versions() -> dict:
     }
 
 
+def invocation() -> list[str]:
+    """What followed the interpreter on the command line: ``-m <module> args`` for a module run with ``-m``."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    return ["-m", spec.name, *sys.argv[1:]] if spec is not None else sys.argv
+
+
 def environment() -> dict:
     """The code, machine and versions a result was measured with (`code_and_versions`), the exact command, and the
     machine's load around it."""
@@ -80,7 +86,7 @@ def environment() -> dict:
     if warning is not None:
         print(f"warning: {warning}", file=sys.stderr)
     return {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "command": " ".join([Path(sys.executable).name, *invocation()]),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "torch_threads": torch.get_num_threads(),
         **code_and_versions(),
@@ -122,10 +128,9 @@ def shipped(field: str):
 
 
 def build_trainer(
-    model: str, overrides: dict | None, config: dict, peft: dict | None, train_dataset, callbacks=(), trainer_cls=None,
-    reward_funcs=None,
+    model: str, overrides: dict | None, config: dict, peft: dict | None, train_dataset, callbacks=(), reward_funcs=None,
 ):
-    """TRL's GRPOTrainer (``overrides`` is None) or OBLRPOTrainer (or ``trainer_cls``) with ``config`` + ``overrides``
+    """TRL's GRPOTrainer (``overrides`` is None) or OBLRPOTrainer with ``config`` + ``overrides``
     (the rate rule's constants among them set its `rate_tuning`); the reward is the graded accuracy unless
     ``reward_funcs`` says otherwise."""
     import torch
@@ -145,7 +150,7 @@ def build_trainer(
 
             trainer_cls = type("GRPOTrainer", (ColocatedVLLMSetup, GRPOTrainer), {})
     else:
-        trainer_cls, config = with_rate_tuning(trainer_cls or OBLRPOTrainer, {**config, **overrides})
+        trainer_cls, config = with_rate_tuning(OBLRPOTrainer, {**config, **overrides})
         config_cls = OBLRPOConfig
     peft_config = None
     if peft:
@@ -168,15 +173,15 @@ def text_hash_parity_reward(completions, **kwargs) -> list[float]:
 WARM_MODULES = ["torch", "transformers", "trl", "oblr_trl.training.trainer"]
 
 
-def run_in_subprocesses(script: str, specs: list[dict], description: str, jobs: int = 1, on_result=None,
+def run_in_subprocesses(module: str, specs: list[dict], description: str, jobs: int = 1, on_result=None,
                         launcher: list[str] | None = None) -> list[dict]:
-    """Run ``script``'s ``run_child(spec)`` once per spec, each in a fresh process, ``jobs`` at a time, and collect
+    """Run ``module``'s ``run_child(spec)`` once per spec, each in a fresh process, ``jobs`` at a time, and collect
     the results in the order of ``specs``. Each process is forked from a server that has imported `WARM_MODULES`
     (and nothing of the runs); its output goes to a file, shown when it fails. More than one job only where runs do
     not time each other (a GPU with room for several small models, or runs that report no timings); the first failure
     cancels the runs not yet started. ``on_result(spec, result)`` is called as each run finishes (to keep it if a
-    later run fails). ``launcher``: the command that starts ``script --child <spec>`` instead (``torchrun``-like: only
-    one process prints the RESULT line); its runs start cold."""
+    later run fails). ``launcher``: the command that starts ``-m module --child <spec>`` instead (``torchrun``-like:
+    only one process prints the RESULT line); its runs start cold."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor, as_completed
     from functools import partial
@@ -184,7 +189,7 @@ def run_in_subprocesses(script: str, specs: list[dict], description: str, jobs: 
     from tqdm.auto import tqdm
 
     def launched(spec: dict) -> dict:
-        done = subprocess.run([*launcher, script, "--child", json.dumps(spec)], capture_output=True, text=True)
+        done = subprocess.run([*launcher, "-m", module, "--child", json.dumps(spec)], capture_output=True, text=True)
         lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
         if done.returncode != 0 or not lines:
             raise RuntimeError(f"run {spec} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
@@ -194,7 +199,7 @@ def run_in_subprocesses(script: str, specs: list[dict], description: str, jobs: 
         context = multiprocessing.get_context("forkserver")
         context.set_forkserver_preload(WARM_MODULES)
         pool = ProcessPoolExecutor(max_workers=max(1, jobs), mp_context=context, max_tasks_per_child=1)
-        run = partial(run_warm_child, str(script))
+        run = partial(run_warm_child, module)
     else:
         pool, run = ThreadPoolExecutor(max_workers=max(1, jobs)), launched
     results = {}
@@ -212,10 +217,10 @@ def run_in_subprocesses(script: str, specs: list[dict], description: str, jobs: 
     return [results[index] for index in range(len(specs))]
 
 
-def run_warm_child(script: str, spec: dict) -> dict:
-    """``run_child(spec)`` of the benchmark at ``script``, in a process of its own (`run_in_subprocesses`), its output
+def run_warm_child(module: str, spec: dict) -> dict:
+    """``run_child(spec)`` of the benchmark ``module``, in a process of its own (`run_in_subprocesses`), its output
     to a file whose end a failure carries."""
-    import importlib.util
+    import importlib
     import tempfile
     import traceback
 
@@ -227,10 +232,7 @@ def run_warm_child(script: str, spec: dict) -> dict:
         os.dup2(log.fileno(), 1)
         os.dup2(log.fileno(), 2)
         try:
-            module_spec = importlib.util.spec_from_file_location(Path(script).stem, script)
-            module = importlib.util.module_from_spec(module_spec)
-            module_spec.loader.exec_module(module)
-            result = module.run_child(spec)
+            result = importlib.import_module(module).run_child(spec)
             end_distributed_training()
             return result
         except BaseException:

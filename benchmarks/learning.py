@@ -28,8 +28,8 @@ SNR factor (all steps, and after the calibration window), the fraction of clippe
 rate, f_t, gradient norm and the noise estimates. Each run is a fresh process and its result is kept under
 `<output_dir>/runs/`, so an interrupted benchmark resumes where it stopped.
 
-    python benchmarks/learning.py                      # SmolLM2-135M on CPU, 2 runs at a time (about 100 minutes)
-    python benchmarks/learning.py --preset gpu         # SmolLM2-135M, 100 steps × 64 completions, on one GPU
+    python -m benchmarks.learning                      # SmolLM2-135M on CPU, 2 runs at a time (about 100 minutes)
+    python -m benchmarks.learning --preset gpu         # SmolLM2-135M, 100 steps × 64 completions, on one GPU
 """
 
 from __future__ import annotations
@@ -40,13 +40,11 @@ import math
 import os
 import random
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (  # noqa: E402
+from benchmarks.common import (
     EQUIVALENCE_MARGIN,
     RESULTS,
     build_trainer,
@@ -307,7 +305,7 @@ def run_all(specs: list[dict], folder: Path, description: str, jobs: int) -> lis
     folder.mkdir(parents=True, exist_ok=True)
     cached = {run_key(s): folder / f"{run_key(s)}.json" for s in specs}
     todo = [s for s in specs if not current(cached[run_key(s)], s)]
-    run_in_subprocesses(__file__, todo, description, jobs=jobs,
+    run_in_subprocesses(__spec__.name, todo, description, jobs=jobs,
                         on_result=lambda spec, result: cached[run_key(spec)].write_text(json.dumps(result)))
     return [json.loads(cached[run_key(s)].read_text()) for s in specs]
 

@@ -25,14 +25,14 @@ several times cheaper than transformers' `generate` and would leave the trainer'
 reported as paired ratios to GRPO like the whole step. Whatever OBLR-PO adds around generation (reading the logit
 proxy off the logits) counts in the trainer's part.
 
-    python benchmarks/overhead.py                       # quickstart size on CPU
-    python benchmarks/overhead.py --max_completion_length 128 --name overhead_long
-    python benchmarks/overhead.py --fsdp2_cpu_processes 2 --variants grpo oblrpo --name overhead_fsdp2_cpu
-    python benchmarks/overhead.py --interleave --variants grpo oblrpo oblrpo-no-trust --name overhead_interleaved
-    python benchmarks/overhead.py --preset gpu --name overhead_gpu   # one GPU, nothing from the Hub (below)
-    python benchmarks/overhead.py --preset gpu-lora --name overhead_gpu_lora   # the same under LoRA (rank 32)
-    python benchmarks/overhead.py --preset cpu-lora --variants grpo exact --name overhead_cpu_lora   # CPU, LoRA
-    python benchmarks/overhead.py --preset gpu-vllm     # Qwen3-4B-Base, LoRA, vLLM colocate (needs the Hub and vLLM)
+    python -m benchmarks.overhead                       # quickstart size on CPU
+    python -m benchmarks.overhead --max_completion_length 128 --name overhead_long
+    python -m benchmarks.overhead --fsdp2_cpu_processes 2 --variants grpo oblrpo --name overhead_fsdp2_cpu
+    python -m benchmarks.overhead --interleave --variants grpo oblrpo oblrpo-no-trust --name overhead_interleaved
+    python -m benchmarks.overhead --preset gpu --name overhead_gpu   # one GPU, nothing from the Hub (below)
+    python -m benchmarks.overhead --preset gpu-lora --name overhead_gpu_lora   # the same under LoRA (rank 32)
+    python -m benchmarks.overhead --preset cpu-lora --variants grpo exact --name overhead_cpu_lora   # CPU, LoRA
+    python -m benchmarks.overhead --preset gpu-vllm     # Qwen3-4B-Base, LoRA, vLLM colocate (needs the Hub and vLLM)
 
 The `gpu` preset needs nothing from the Hub: a randomly initialised model of SmolLM2-1.7B's shape with SmolLM2's
 tokenizer (`random_model.py`, built once under the results folder), full fine-tuning in bf16 with gradient
@@ -60,9 +60,8 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import random_model  # noqa: E402
-from common import (  # noqa: E402
+from benchmarks import random_model
+from benchmarks.common import (
     RESULTS,
     build_trainer,
     child_main,
@@ -83,21 +82,10 @@ VARIANTS = {
     "oblrpo": {},
     "oblrpo-no-trust": {"lr_trust_region_kl": None},  # the defaults before 2026-11-26
     "oblrpo-no-snr": {"use_snr_lr": False},
-    "length": {"baseline_weights": "length"},
-    "uniform-no-snr": {"baseline_weights": "uniform", "use_snr_lr": False},
     "exact": {"baseline_weights": "exact"},
-    "exact-naive": {"baseline_weights": "exact"},  # the same weights by one backward per completion (NaiveExact)
     # the defaults without the trust region's rule, measuring each step's KL (one no-grad forward a step)
     "oblrpo-step-kl": {"lr_trust_region_kl": None, "log_step_kl": True},
-    "oblrpo-trust-region": {"lr_trust_region_kl": 1e-3},
-    # the step's KL measured on 2 of its completions (lr_trust_region_sample_size), every step
-    "oblrpo-kl-sample-2": {"lr_trust_region_sample_size": 2, "lr_trust_region_measure_steps": 1},
-    # the step's KL measured on every 4th step (lr_trust_region_measure_steps; time ≥ 4 steps): the defaults from
-    # the end of 2026-11-26 to 2026-11-27
-    "oblrpo-every4": {"lr_trust_region_measure_steps": 4},
-    # every 8th step: the defaults from 2026-11-27 to 2026-11-28, named apart for runs that compare cadences
-    "oblrpo-every8": {"lr_trust_region_measure_steps": 8},
-    # the step's KL measured on every step, the defaults until the end of 2026-11-26
+    # the step's KL measured on every step: what one measurement costs, in every window
     "oblrpo-every-step": {"lr_trust_region_measure_steps": 1},
 }
 # OBLR-PO's own phases, timed inside each step (seconds a step): Adam's update size, which the trust region reads
@@ -262,23 +250,6 @@ class GenerationTimer:
             torch.cuda.synchronize()
 
 
-def naive_exact_trainer():
-    """OBLRPOTrainer whose `exact` weights come from one forward and backward per completion (the trainer's own
-    fallback for layers without a ghost-norm rule, one completion at a time), as the only public implementation of the
-    exact baseline does: the reference the batched version is measured against."""
-    from oblr_trl import OBLRPOTrainer
-    from oblr_trl.training.completion_weights import CompletionWeights
-
-    class OneBackwardPerCompletion(CompletionWeights):
-        def grad_sq_norms(self, batch, token_scale):
-            return self.looped_grad_sq_norms(batch, token_scale, 1)
-
-    class NaiveExact(OBLRPOTrainer):
-        weights_class = OneBackwardPerCompletion
-
-    return NaiveExact
-
-
 class LockStep:
     """Lets trainers that train in threads of one process take one optimizer step at a time, in turn, each round in
     the next order of `balanced_orders` (the first round in the order given), so that a drift of the machine's speed
@@ -412,8 +383,7 @@ def timed_trainer(spec: dict, variant: str, generation: GenerationTimer, phases:
                 lock_step.pass_turn(variant)
 
     trainer = build_trainer(spec["model"], VARIANTS[variant], common, preset["peft"], task,
-                            callbacks=[StepTimer()], reward_funcs=reward,
-                            trainer_cls=naive_exact_trainer() if variant == "exact-naive" else None)
+                            callbacks=[StepTimer()], reward_funcs=reward)
     if lock_step is not None:
         # the turn is taken where the Trainer fetches a step's batches, before it sets the gradient-sync flag of
         # accelerate's GradientState, which is one object for every trainer of the process
@@ -489,20 +459,6 @@ def unmeasured_trainer_ratio(run: dict, reference: dict) -> float | None:
         return statistics.fmean(result["step_seconds"][i] - result["generation_seconds"][i] for i in quiet)
 
     return trainer_part(run) / trainer_part(reference)
-
-
-def long_run_step_kl_seconds(results: list[dict]) -> float | None:
-    """A variant's measuring forward in seconds a step over a long run, from its runs (`step_kl_cadence`): the median
-    time of one measurement × the share of steps with a gradient ÷ k (k = 1 measures every step, gradient or not);
-    None where the variant does not measure or no window held a measurement."""
-    every = {r.get("step_kl_measure_every") for r in results}
-    per_measurement = [r["step_kl_seconds_per_measurement"] for r in results
-                       if r.get("step_kl_seconds_per_measurement") is not None]
-    if every == {None} or len(every) != 1 or not per_measurement:
-        return None
-    (k,) = every
-    share = 1.0 if k == 1 else statistics.fmean(r["gradient_step_frac"] for r in results)
-    return statistics.median(per_measurement) * share / k
 
 
 def balanced_orders(n: int) -> list[list[int]]:
@@ -593,26 +549,6 @@ def summarise(runs: list[dict], variants: list[str], memory_runs: list[dict] | N
             if quiet:
                 row |= {"unmeasured_trainer_ratio_mean": statistics.fmean(quiet),
                         "unmeasured_trainer_ratio_ci": t_interval(quiet)}
-            long_run = long_run_step_kl_seconds(results)
-            if long_run is not None:  # a projection: each window's measuring forward replaced by its long-run share
-                def long_run_paired(key):
-                    return [(r[key] - r["mean_step_kl_seconds"] + long_run) / g[key]
-                            for r, g in zip(results, reference, strict=True)]
-
-                long_run_ratios, long_run_step_ratios = (long_run_paired("mean_trainer_seconds"),
-                                                         long_run_paired("mean_step_seconds"))
-                # what OBLR-PO adds, timed where it runs: free of the drift and step-to-step noise that a ratio of
-                # two whole trainer parts carries, blind to any cost outside the phases
-                phase_ratios = [1 + sum(long_run if name == "step_kl" else r.get(f"mean_{name}_seconds", 0.0)
-                                        for name in PHASES) / g["mean_trainer_seconds"]
-                                for r, g in zip(results, reference, strict=True)]
-                row |= {"long_run_step_kl_seconds": long_run,
-                        "long_run_phase_ratio_mean": statistics.fmean(phase_ratios),
-                        "long_run_phase_ratio_ci": t_interval(phase_ratios),
-                        "long_run_trainer_ratio_mean": statistics.fmean(long_run_ratios),
-                        "long_run_trainer_ratio_ci": t_interval(long_run_ratios),
-                        "long_run_time_ratio_mean": statistics.fmean(long_run_step_ratios),
-                        "long_run_time_ratio_ci": t_interval(long_run_step_ratios)}
         rows.append(row)
     return rows
 
@@ -716,7 +652,7 @@ def main(argv=None):
     elif not args.resume:
         runs_log.unlink(missing_ok=True)
     todo = [spec for spec in specs + memory_specs if run_key(spec) not in done]
-    fresh = run_in_subprocesses(__file__, todo, "overhead runs", launcher=launcher,
+    fresh = run_in_subprocesses(__spec__.name, todo, "overhead runs", launcher=launcher,
                                 on_result=lambda spec, result: append_run(runs_log, spec, result))
     done |= {run_key(spec): result for spec, result in zip(todo, fresh, strict=True)}
     runs = [run for spec in specs for run in (done[run_key(spec)] if args.interleave else [done[run_key(spec)]])]
@@ -745,18 +681,13 @@ def main(argv=None):
           "95 % t-interval. 'Steps measuring nothing' pairs the trainer part of the steps whose KL the trust region "
           "did not measure with GRPO's same steps. Adam's update size, the step-KL forward, the weights and the SNR "
           "estimator's gradient sketch are OBLR-PO's own phases inside the trainer part (median seconds a step, "
-          "timed in the same runs). The columns marked *projection* are not measurements: the step-KL forward's "
-          "time per measurement × the share of steps with a gradient ÷ k put in place of each window's own, as if "
-          "the window were long enough for the cadence to settle; '1 + OBLR-PO's phases' adds those phases to "
-          "GRPO's trainer part of the same repeat. `exact` weights are measured only for groups whose rewards "
+          "timed in the same runs). `exact` weights are measured only for groups whose rewards "
           "differ: the share measured is given.\n\n"
         + markdown_table(
             ["variant", "s / step (median)", "min", "max", "÷ GRPO step (paired mean)", "95 % interval",
              "generation s (median)", "trainer part s (median)", "÷ GRPO trainer part (paired mean)", "95 % interval",
              "÷ GRPO trainer part, steps measuring nothing", "÷ GRPO generation", "Adam update size s",
-             "step-KL forward s", "projection: step-KL forward s", "projection: ÷ GRPO step",
-             "projection: ÷ GRPO trainer part", "projection: 1 + OBLR-PO's phases ÷ GRPO trainer part", "weights s",
-             "SNR sketch s",
+             "step-KL forward s", "weights s", "SNR sketch s",
              "exact weights measured", "peak MiB", "÷ GRPO memory", "memory ratio min–max"],
             [[r["variant"], r["median_step_seconds"], r["min"], r["max"], r.get("time_ratio_mean", "—"),
               interval(r, "time_ratio_ci"), r["median_generation_seconds"], r["median_trainer_seconds"],
@@ -764,11 +695,7 @@ def main(argv=None):
               "—" if "unmeasured_trainer_ratio_mean" not in r else
               f"{r['unmeasured_trainer_ratio_mean']:.3f} {interval(r, 'unmeasured_trainer_ratio_ci')}",
               r.get("generation_ratio_mean", "—"), r.get("median_update_size_seconds", "—"),
-              r.get("median_step_kl_seconds", "—"), r.get("long_run_step_kl_seconds", "—"),
-              *("—" if f"long_run_{part}_ratio_mean" not in r else
-                f"{r[f'long_run_{part}_ratio_mean']:.3f} {interval(r, f'long_run_{part}_ratio_ci')}"
-                for part in ("time", "trainer", "phase")),
-              r["median_weights_seconds"], r.get("median_snr_sketch_seconds", "—"),
+              r.get("median_step_kl_seconds", "—"), r["median_weights_seconds"], r.get("median_snr_sketch_seconds", "—"),
               "—" if r["weights_measured_frac"] is None else f"{r['weights_measured_frac']:.0%}",
               "—" if r["peak_memory_mib"] is None else r["peak_memory_mib"], r.get("memory_ratio", "—"),
               f"{r['memory_ratio_min']:.3f}–{r['memory_ratio_max']:.3f}" if "memory_ratio_min" in r else "—"]

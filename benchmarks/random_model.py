@@ -4,8 +4,8 @@ Step time and memory depend on a model's shape and on the sequence lengths, not 
 benchmark fixes completion lengths, so a random model with the right shape times like the real one. The shapes are
 copied from the models' published `config.json`; the vocabulary is the given tokenizer's (state it with the results).
 
-    python benchmarks/random_model.py --shape qwen3-4b --tokenizer PATH --output /tmp/qwen3-4b-shape
-    python benchmarks/random_model.py --shape smollm2-1.7b --output /tmp/smollm2-1.7b-shape   # SmolLM2's tokenizer
+    python -m benchmarks.random_model --shape qwen3-4b --tokenizer PATH --output /tmp/qwen3-4b-shape
+    python -m benchmarks.random_model --shape smollm2-1.7b --output /tmp/smollm2-1.7b-shape   # SmolLM2's tokenizer
 """
 
 from __future__ import annotations

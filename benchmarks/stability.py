@@ -21,55 +21,46 @@ its method, rate, seed, problems, study, steps and config changes; a part resume
 (``--methods``/``--rates``/``--seeds`` pick a part of it), and every part ends by rewriting the folder's summary. A
 settled method (the trust region's cap and target forms and its curvature per unit rate: `SETTLED_METHODS`) is
 refused before anything runs, naming the commit that runs it; its committed runs stay in the summaries. The grids of
-a + b, a ± b and a × b and both transfers name settled methods, so they run with ``--methods`` naming the others.
+a + b, a ± b and a × b name settled methods, so they run with ``--methods`` naming the others. Settled studies (the
+transfers of δ to a second task, the longer SNR runs, the configuration that let the calibration resolve) left the
+code; each folder's ``settled.md`` reports them and names the commit that runs them.
 
 * ``synthetic`` — the testbed of `synthetic_learning.py` (exact gradients, 100 paired seeds, the trainer's own pure
   functions), every method under both schedules (`constant`, and TRL's `linear`), rates 0.1 (GRPO's best) … 3.
 * ``smollm2`` — SmolLM2-135M-Instruct on a problem set's grid (``--problems``: a + b by default, whose grid decides;
   a ± b, a × b, a + b answered step by step), GRPO against the defaults, the defaults without the trust region, the
   paper-literal factor and the trust region's forms (settled); where a method sets only the defaults, `oblrpo` is not
-  run again and the summary reports that method's runs under its name too. At GRPO's best rate the defaults without the
-  SNR factor and the arms calibrated to act give the summary's ``snr_ablation``, paired by seed.
+  run again and the summary reports that method's runs under its name too.
 * ``attribution`` — what buys the robustness: GRPO, GRPO with the shipped trust region, the defaults without it (the
   paper's baseline and SNR factor) and the defaults, at TRL's 1e-6, GRPO's best rate and 10× it, 5 paired test seeds;
   under the grid's name, so a grid run of an arm at one of these rates is one of its runs.
 * ``reproduce`` — committed cells run again on seed 0 at GRPO's best rate, each compared step for step with its
   committed record (in ``runs/reproduce/``).
-* ``snr-long`` — the SNR ablation's per-completion arm and the defaults without the factor over 60 steps.
 * ``snr-batch`` — the shipped SNR factor and none at 8 prompts a step (32 completions) on a + b, at GRPO's best rate
   and TRL's 1e-6, 5 paired test seeds, in `results/stability-snr-8prompts/`.
 * ``delta`` — the per-step KL of the defaults without a trust region at the best rate on validation seeds and the
   validation split, from which δ is chosen.
 * ``validation`` — any ``--methods`` on validation seeds (10, 11) and the validation split: where the rule's
   constants, and a new problem set's best rate (its ``rate_screen``), are chosen.
-* ``transfer`` — the grid's δ, unchanged, on the problem set's second task, at GRPO's best rate there and 10× it,
-  3 paired seeds, against GRPO (a + b: products of operands 0…14; a ± b: products of operands 0…24).
-* ``transfer-rate`` — GRPO's best rate on the second task, screened on validation seeds and the validation split.
-* ``resolve`` — one longer SmolLM2 configuration on a ± b with more prompts a step, in which the calibration of the
-  SNR factor resolves, so the factor is seen acting on a real model (its trajectory is plotted).
 
-    python benchmarks/stability.py --part synthetic      # the runnable methods' cells of 100 seeds, beside the
+    python -m benchmarks.stability --part synthetic      # the runnable methods' cells of 100 seeds, beside the
                                                          # settled ones' (48 cells: 33 min on 2 busy cores)
-    python benchmarks/stability.py --part smollm2 --methods grpo oblrpo   # a + b: 25 runs a method (7–15 min
+    python -m benchmarks.stability --part smollm2 --methods grpo oblrpo   # a + b: 25 runs a method (7–15 min
                                                                           # each), 2 at a time
-    python benchmarks/stability.py --part delta          # 2 validation runs that choose δ
-    python benchmarks/stability.py --part validation --methods grpo --rates 3e-6 1e-5 3e-5   # GRPO's best rate on
+    python -m benchmarks.stability --part delta          # 2 validation runs that choose δ
+    python -m benchmarks.stability --part validation --methods grpo --rates 3e-6 1e-5 3e-5   # GRPO's best rate on
                                                          # a + b, screened on validation seeds
-    python benchmarks/stability.py --part attribution    # the four arms at 1e-6, GRPO's best and 10× it (60 runs)
-    python benchmarks/stability.py --part reproduce      # 3 committed cells run again, compared step for step
-    python benchmarks/stability.py --part validation --methods M   # M on validation seeds 10, 11 (choosing)
-    python benchmarks/stability.py --part snr-long       # the SNR ablation over 60 steps: 20 runs (10-13 min each)
-    python benchmarks/stability.py --part snr-batch      # 20 runs of 32 completions × 40 steps (untimed: each
+    python -m benchmarks.stability --part attribution    # the four arms at 1e-6, GRPO's best and 10× it (60 runs)
+    python -m benchmarks.stability --part reproduce      # 3 committed cells run again, compared step for step
+    python -m benchmarks.stability --part validation --methods M   # M on validation seeds 10, 11 (choosing)
+    python -m benchmarks.stability --part snr-batch      # 20 runs of 32 completions × 40 steps (untimed: each
                                                          # does 4× a grid run's completions)
-    python benchmarks/stability.py --part transfer-rate  # GRPO's best rate on a × b (0…14), validation seeds
-    python benchmarks/stability.py --part transfer --methods grpo oblrpo   # on a × b, the untrained model beside
-    python benchmarks/stability.py --part smollm2 --problems a±b --methods M   # the a ± b grid (stability-a-pm-b/)
-    python benchmarks/stability.py --part smollm2 --problems a×b --methods M   # the products' (stability-products/)
-    python benchmarks/stability.py --part validation --problems a+b-reasoned --methods grpo   # long answers: GRPO's
+    python -m benchmarks.stability --part smollm2 --problems a±b --methods M   # the a ± b grid (stability-a-pm-b/)
+    python -m benchmarks.stability --part smollm2 --problems a×b --methods M   # the products' (stability-products/)
+    python -m benchmarks.stability --part validation --problems a+b-reasoned --methods grpo   # long answers: GRPO's
                                                                  # rate screen (results/stability-long/)
-    python benchmarks/stability.py --part resolve        # 3 longer runs on a ± b (16 completions × 60 steps)
-    python benchmarks/stability.py --part summary --problems a±b   # rewrite a folder's summary from its runs
-    python benchmarks/stability.py --part summary --output_dir benchmarks/results/stability-snr-8prompts
+    python -m benchmarks.stability --part summary --problems a±b   # rewrite a folder's summary from its runs
+    python -m benchmarks.stability --part summary --output_dir benchmarks/results/stability-snr-8prompts
 """
 
 from __future__ import annotations
@@ -77,22 +68,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import learning  # noqa: E402
-import synthetic_learning as synthetic  # noqa: E402
-from common import RESULTS, parse_overrides  # noqa: E402
-from stability_measures import grid_methods  # noqa: E402
-from stability_registry import (  # noqa: E402
+from benchmarks import learning
+from benchmarks import synthetic_learning as synthetic
+from benchmarks.common import RESULTS, parse_overrides
+from benchmarks.stability_measures import grid_methods
+from benchmarks.stability_registry import (
     CPU, PROBLEM_SETS, SETTLED_METHODS, SETTLED_SYNTHETIC_METHODS, SMOLLM2_METHODS, STUDIES, SYNTHETIC_METHODS,
     SYNTHETIC_RATES, ProblemSet, Settled, Study, results_folder,
 )
-from stability_summary import write_summary  # noqa: E402
+from benchmarks.stability_summary import write_summary
 
 JOBS = 2  # runs at a time on the 2 CPU cores the grids were measured on
 
@@ -111,8 +100,7 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default: the part's)")
     parser.add_argument("--model", default="builtin:smollm2-135m-instruct")
     parser.add_argument("--problems", choices=list(PROBLEM_SETS), default="a+b",
-                        help="the grid's problems (smollm2, delta, validation, snr-long), or the grid whose δ a "
-                        "transfer carries (transfer, transfer-rate); each has its own folder")
+                        help="the problems a part trains and tests on; each has its own folder")
     parser.add_argument("--eval_problems", type=int, default=None,
                         help="problems in each of test and validation (default: the problems')")
     parser.add_argument("--jobs", type=int, default=JOBS)
@@ -121,13 +109,10 @@ def parse_args(argv=None):
                         "such runs their own --output_dir: cells pair runs of one machine only)")
     parser.add_argument("--output_dir", default=None,
                         help="default: the part's folder under benchmarks/results (its problems': a + b stability/, "
-                        "a ± b stability-a-pm-b/, where resolve runs; snr-batch stability-snr-8prompts/)")
+                        "a ± b stability-a-pm-b/; snr-batch stability-snr-8prompts/)")
     args = parser.parse_args(argv)
     problems = PROBLEM_SETS[args.problems]
     study = STUDIES.get(args.part)
-    if study is not None and study.on_transfer and problems.transfer is None:
-        with_one = ", ".join(key for key, p in PROBLEM_SETS.items() if p.transfer)
-        parser.error(f"--problems {args.problems} has no transfer task (those with one: {with_one})")
     if study is not None and not args.rates and not study.rates(study.problems or problems):
         parser.error(f"--part {args.part} has no rates on --problems {args.problems} (a grid needs GRPO's best rate "
                      "screened first: --part validation --methods grpo); give --rates")
@@ -208,13 +193,11 @@ class Plan:
 
 
 def plan(study: Study, args) -> Plan:
-    """The study on ``--problems`` (or its own problem set, or the transfer task), narrowed by the options; a settled
-    method among its methods stops it (`refuse_settled`)."""
-    source = study.problems or PROBLEM_SETS[args.problems]
-    problems, folder = source, Path(args.output_dir) / "runs" / study.folder
-    if study.on_transfer:
-        problems, folder = source.transfer.task, folder / source.transfer.runs
-    methods = args.methods or study.methods or (source.transfer.methods if study.on_transfer else source.methods)
+    """The study on ``--problems`` (or its own problem set), narrowed by the options; a settled method among its
+    methods stops it (`refuse_settled`)."""
+    problems = source = study.problems or PROBLEM_SETS[args.problems]
+    folder = Path(args.output_dir) / "runs" / study.folder
+    methods = args.methods or study.methods or source.methods
     refuse_settled(methods, SETTLED_METHODS)
     return Plan(study, problems, tuple(grid_methods(list(methods), problems)),
                 tuple(args.rates or study.rates(source)), tuple(args.seeds or study.seeds), args.steps or study.steps,

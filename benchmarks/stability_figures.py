@@ -4,19 +4,14 @@ of one collapsing seed (``collapse_seed.png``, ``rates_used.png``)."""
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import learning  # noqa: E402
-from common import new_figure, save_figure  # noqa: E402
-from oblr_trl.estimators.snr import CALIBRATION_MIN_T  # noqa: E402
-from stability_measures import COLLAPSE_MARGIN  # noqa: E402
-from stability_registry import RATE_FOLLOWERS, REFERENCE, ProblemSet  # noqa: E402
+from benchmarks.common import new_figure, save_figure
+from benchmarks.stability_measures import COLLAPSE_MARGIN
+from benchmarks.stability_registry import REFERENCE
 
 Row = Callable[..., None]  # draws one row of ``summary.png`` on its (left, right) axes
-COLLAPSE_SEED = 1  # the seed on which GRPO collapsed at each problem set's `collapse_rate`
 SEED_STYLES = ("-", "--", ":", "-.")  # one line style per seed, where the colour says something else
 
 
@@ -66,27 +61,6 @@ def cells_row(title: str, summary: dict, rates: list[float]) -> Row:
     return draw
 
 
-def resolve_row(runs: list[dict], completions: int) -> Row:
-    """The rate each step used, and the calibration window's t-statistic, a line per run."""
-    def draw(rate_axis, t_axis) -> None:
-        for index, r in enumerate(runs):
-            traces, label = r["traces"], f"{r['method']} lr {r['learning_rate']:g} (final acc {r['accuracy']:.2f})"
-            steps = range(1, len(traces["learning_rate"]) + 1)
-            measured = "snr/calibration_t" in traces and any(math.isfinite(v) for v in traces["snr/calibration_t"])
-            rate_axis.plot(steps, learning.used_rates(traces), label=label,
-                           color=f"C{index}")  # one colour per run in both panels
-            if measured:
-                t_axis.plot(steps, traces["snr/calibration_t"], label=label, color=f"C{index}")
-        t_axis.axhline(CALIBRATION_MIN_T, color="black", linestyle=":",
-                       label=f"resolves at t ≥ {CALIBRATION_MIN_T:g}")
-        rate_axis.set(xlabel="optimizer step", ylabel="learning rate used", yscale="log",
-                      title=f"SmolLM2, {completions} completions a step: rate used")
-        t_axis.set(xlabel="optimizer step", ylabel="t-statistic of the window's mean ‖μ‖²",
-                   title="calibration window: does the signal resolve?")
-        grid_and_legend(rate_axis, t_axis)
-    return draw
-
-
 def compared_row(runs: list[dict], mine: str, theirs: str) -> Row:
     """A compared study's pair: the factor ``mine`` applied at each step, a line per seed and rate, and the training
     reward per step of both arms, the mean over the seeds of a rate."""
@@ -133,50 +107,3 @@ def screen_row(runs: list[dict]) -> Row:
         grid_and_legend(accuracy_axis, length_axis)
     return draw
 
-
-def plot_collapse(runs: list[dict], problems: ProblemSet, output_dir: Path) -> Path | None:
-    """Reward, rate used and step KL per step of every method among the grid's ``runs`` on `COLLAPSE_SEED` at the
-    problem set's ``collapse_rate``; None where no trust-region method of `RATE_FOLLOWERS` ran there."""
-    if problems.collapse_rate is None:
-        return None
-    rate = problems.collapse_rate
-    chosen = sorted((r for r in runs if r["seed"] == COLLAPSE_SEED and math.isclose(r["learning_rate"], rate)),
-                    key=lambda r: r["method"])
-    if not any(r["method"] in RATE_FOLLOWERS for r in chosen):
-        return None
-    figure, axes = new_figure(3, (16, 4.4))
-    for index, r in enumerate(chosen):
-        traces, steps = r["traces"], range(1, len(r["reward"]) + 1)
-        label = f"{r['method']} (final acc {r['accuracy']:.2f})"
-        axes[0].plot(steps, r["reward"], label=label, color=f"C{index}")
-        axes[1].plot(steps, learning.used_rates(traces), label=label, color=f"C{index}")
-        if any(math.isfinite(v) for v in traces.get("oblr/step_kl", [])):
-            axes[2].plot(steps, traces["oblr/step_kl"], label=label, color=f"C{index}")
-    axes[2].axhline(problems.trust_region_kl, color="black", linestyle=":", label=f"δ = {problems.trust_region_kl:g}")
-    for axis, (ylabel, scale) in zip(axes, [("training reward", "linear"), ("learning rate used", "log"),
-                                            ("KL(π_t ‖ π_t+1) per token", "log")], strict=True):
-        axis.set(xlabel="optimizer step", ylabel=ylabel, yscale=scale,
-                 title=f"SmolLM2 ({problems.title}) seed {COLLAPSE_SEED}, configured rate {rate:g}")
-    grid_and_legend(*axes)
-    return save_figure(figure, output_dir, "collapse_seed")
-
-
-def plot_rates_used(runs: list[dict], output_dir: Path) -> Path | None:
-    """Per trust-region method, the rate each step used on `COLLAPSE_SEED`, one line per configured rate: if the
-    configured rate stopped mattering, the lines meet after the first steps."""
-    methods = [m for m in RATE_FOLLOWERS if any(r["method"] == m and r["seed"] == COLLAPSE_SEED for r in runs)]
-    if not methods:
-        return None
-    figure, axes = new_figure(len(methods), (5.2 * len(methods), 4.4))
-    for axis, method in zip([axes] if len(methods) == 1 else axes, methods, strict=True):
-        chosen = sorted((r for r in runs if r["method"] == method and r["seed"] == COLLAPSE_SEED),
-                        key=lambda r: r["learning_rate"])
-        for index, r in enumerate(chosen):
-            used = learning.used_rates(r["traces"])
-            axis.plot(range(1, len(used) + 1), used, color=f"C{index}",
-                      label=f"configured {r['learning_rate']:g} (final acc {r['accuracy']:.2f})")
-            axis.axhline(r["learning_rate"], color=f"C{index}", linestyle=":", linewidth=0.8)
-        axis.set(xlabel="optimizer step", ylabel="learning rate used (dotted: configured)", yscale="log",
-                 title=f"{method}, seed {COLLAPSE_SEED}")
-        grid_and_legend(axis)
-    return save_figure(figure, output_dir, "rates_used")

@@ -9,14 +9,11 @@ from __future__ import annotations
 
 import math
 import statistics
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import learning  # noqa: E402
-from common import shipped, t_interval  # noqa: E402
-from stability_registry import (  # noqa: E402
-    FORM_PAIRS, PEAK_DELTA, PEAK_DELTA_METHOD, REFERENCE, SMOLLM2_METHODS, TRL_SCHEDULE, ProblemSet,
+from benchmarks import learning
+from benchmarks.common import shipped, t_interval
+from benchmarks.stability_registry import (
+    PAIRS, PEAK_DELTA, PEAK_DELTA_METHOD, REFERENCE, SMOLLM2_METHODS, TRL_SCHEDULE, ProblemSet,
 )
 
 Cells = dict[str, dict[float, list[dict]]]
@@ -136,8 +133,8 @@ def smollm2_grid(initial: dict, trained: list[dict], problems: ProblemSet,
                "steps": grid[0]["steps"], "schedule": dict(TRL_SCHEDULE), "problems": problems.title}
     cells = smollm2_cells(grid, initial["accuracy"])
     summary = grid_summary(cells)
-    summary["forms"] = form_comparison(cells)
-    summary["form_regrets"] = form_regret_differences(cells, details["rates"])
+    summary["pairs"] = pair_comparison(cells)
+    summary["pair_regrets"] = pair_regret_differences(cells, details["rates"])
     summary["rate_rule"] = rate_rule_traces(grid + beyond)
     twin = defaults_twin(problems)
     if "oblrpo" not in summary["methods"] and twin in summary["methods"]:  # the defaults' runs, under their own name
@@ -244,12 +241,12 @@ def rate_range(runs: list[dict], method: str, best_cell: float) -> dict:
             for rate, values in sorted(finals.items())}
 
 
-def form_comparison(cells: Cells) -> dict:
-    """Per pair of `FORM_PAIRS` and per rate both ran: the final accuracy of the first minus the second, paired by
+def pair_comparison(cells: Cells) -> dict:
+    """Per pair of `PAIRS` and per rate both ran: the final accuracy of the first minus the second, paired by
     seed (mean, t-interval, seeds), so that a cell with more seeds than the grid is compared on all of
     them."""
     comparison = {}
-    for first, second in FORM_PAIRS:
+    for first, second in PAIRS:
         if first not in cells or second not in cells:
             continue
         by_rate = {}
@@ -261,12 +258,12 @@ def form_comparison(cells: Cells) -> dict:
     return comparison
 
 
-def form_regret_differences(cells: Cells, rates: list[float]) -> dict:
-    """Per pair of `FORM_PAIRS`: the first's regret minus the second's, paired by seed over the seeds both ran at every
-    rate of the grid (the target's regret below the cap's decided between them). The best cell cancels from a paired
+def pair_regret_differences(cells: Cells, rates: list[float]) -> dict:
+    """Per pair of `PAIRS`: the first's regret minus the second's, paired by seed over the seeds both ran at every
+    rate of the grid. The best cell cancels from a paired
     difference of regrets, so it is minus the mean over the rates of (first's final − second's final)."""
     differences = {}
-    for first, second in FORM_PAIRS:
+    for first, second in PAIRS:
         if not all(m in cells and all(rate in cells[m] for rate in rates) for m in (first, second)):
             continue
         finals = {m: {rate: {r["seed"]: r["final"] for r in cells[m][rate]} for rate in rates}
@@ -322,29 +319,6 @@ def with_and_without(mine: dict[int, dict], without: dict[int, dict]) -> dict | 
             "with_final_mean": statistics.fmean(mine[s]["accuracy"] for s in seeds),
             "without_final_mean": statistics.fmean(without[s]["accuracy"] for s in seeds),
             "acting_fraction": snr_factor_acting_fraction([mine[s] for s in seeds])}
-
-
-def snr_ablation(arms: list[tuple[str, str, list[dict]]], without: str, validation: list[dict], screened: list[str],
-                 rate: float, defaults: str | None) -> dict:
-    """Each arm ``(label, method, runs)`` with the SNR factor minus ``without`` among the same runs (so a longer study
-    pairs with its own longer runs): final test accuracy at ``rate``, paired by seed, with the share of the arm's
-    steps the factor acted on (`with_and_without`). The arm labelled ``defaults`` is the top level, the others are
-    under ``variants`` by label; the validation runs of ``screened`` (which chose among the arms) under
-    ``validation``. Empty before a pair has run."""
-    compared = {}
-    for label, method, runs in arms:
-        entry = with_and_without(runs_by_seed(runs, method, rate), runs_by_seed(runs, without, rate))
-        if entry is not None:
-            compared[label] = {"with": method, "without": without, "rate": rate, **entry}
-    screen = {}
-    for method in screened:
-        chosen_on = runs_by_seed(validation, method, rate)
-        if chosen_on:
-            screen[method] = {"final_by_seed": {seed: r["accuracy"] for seed, r in sorted(chosen_on.items())},
-                              "acting_fraction": snr_factor_acting_fraction(list(chosen_on.values()))}
-    if not compared and not screen:
-        return {}
-    return {"rate": rate, **compared.pop(defaults, {}), "variants": compared, "validation": screen}
 
 
 def paired_by_rate(runs: list[dict], mine: str, theirs: str) -> dict:

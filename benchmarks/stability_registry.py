@@ -11,17 +11,14 @@ set, the summary reports the pair's paired difference per rate without code of i
 from __future__ import annotations
 
 import enum
-import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Literal
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import learning  # noqa: E402
-import synthetic_learning as synthetic  # noqa: E402
-from oblr_trl.tasks import BOXED_INSTRUCTION  # noqa: E402
+from benchmarks import learning
+from benchmarks import synthetic_learning as synthetic
+from oblr_trl.tasks import BOXED_INSTRUCTION
 
 REFERENCE = "grpo"
 NOTHING: Mapping[str, Any] = MappingProxyType({})
@@ -165,24 +162,10 @@ SETTLED_METHODS: Mapping[str, Settled] = by_name((
             "the peak form measuring every step: each step's KL beside its aim, to replay predictors on"),
     Settled("oblrpo-trust-target-update-every16", "the target form per unit of Adam's update, every 16th step"),
 ))
-# the trust region's forms side by side in the summary, paired by seed (first minus second): the target against the
-# cap at the same cadence, each against GRPO, the same trust region on GRPO's advantages, the cheaper cadences against
-# the ones they replace, the peak forms, and the defaults against the previous ones and GRPO
-FORM_PAIRS = (("oblrpo-trust-target-every8", "oblrpo-trust-cap-every8"), ("oblrpo-trust-target-every8", REFERENCE),
-              ("oblrpo-trust-cap-every8", REFERENCE), ("oblrpo-trust-target-every8", "grpo-trust-target-every8"),
-              ("grpo-trust-target-every8", REFERENCE),
-              ("oblrpo-trust-target-every16", "oblrpo-trust-target-every8"),
-              ("oblrpo-trust-target-every16", REFERENCE), ("oblrpo-trust-target-every16", "oblrpo-trust-cap-every8"),
-              ("oblrpo-trust-peak-every16", "oblrpo-trust-target-every16"),
-              ("oblrpo-trust-peak-update-every16", "oblrpo-trust-target-every16"),
-              ("oblrpo-trust-peak-update-every16", "oblrpo-trust-peak-every16"),
-              (PEAK_DELTA_METHOD, "oblrpo-trust-target-every16"), (PEAK_DELTA_METHOD, REFERENCE))
-# the trust-region methods whose rate each step used is drawn per configured rate (`plot_rates_used`)
-RATE_FOLLOWERS = ("oblrpo-trust-cap", "oblrpo-trust-target", "grpo-trust-cap", "grpo-trust-target")
-# the SNR factor on and off at GRPO's best rate, the rest of the defaults unchanged: the defaults' twin first, then
-# these arms, each against `SNR_ABLATION_WITHOUT`
-SNR_ABLATION_ARMS = ("oblrpo-defaults-snr-two-sided-cal5", "oblrpo-defaults-snr-two-sided-cal5-per-sample",
-                     "oblrpo-defaults-snr-two-sided-cal2")
+# what each part buys, paired by seed at each rate (first minus second): the trust region on GRPO's step, the paper's
+# two parts without it, the defaults against GRPO, and what each of the two adds on top of the other
+PAIRS = ((GRPO_TRUST_REGION, REFERENCE), ("oblrpo-no-trust", REFERENCE), (PEAK_DELTA_METHOD, REFERENCE),
+         (PEAK_DELTA_METHOD, GRPO_TRUST_REGION), (PEAK_DELTA_METHOD, "oblrpo-no-trust"))
 # a grid's methods unless its problem set names its own; settled ones among them, so a grid runs with `--methods`
 GRID_METHODS = (REFERENCE, "oblrpo", "oblrpo-no-trust", "oblrpo-paper", "grpo-trust-cap", "grpo-trust-target",
                 "oblrpo-trust-cap", "oblrpo-trust-cap-every4", "oblrpo-trust-cap-every8", "oblrpo-trust-target",
@@ -192,16 +175,6 @@ GRID_METHODS = (REFERENCE, "oblrpo", "oblrpo-no-trust", "oblrpo-paper", "grpo-tr
 
 
 # --- problem sets ----------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Transfer:
-    """A problem set's δ carried, unchanged, to a second task, at GRPO's best rate there and 10× it."""
-
-    task: ProblemSet
-    methods: tuple[str, ...]
-    runs: str  # its runs' folder under the source problem set's runs/
-    rate_screen: tuple[float, ...] = ()  # GRPO's best rate on the task screened over these (none: the source's)
-
-
 @dataclass(frozen=True)
 class ProblemSet:
     """The problems a grid trains and tests on, and what is chosen for them on validation seeds."""
@@ -213,7 +186,7 @@ class ProblemSet:
     eval_problems: int  # test problems, and as many validation problems
     best_rate: float | None  # GRPO's best rate (None until screened)
     trust_region_kl: float  # δ of the methods that take the problem set's (`Delta.OF_PROBLEM_SET`)
-    folder: str | None = None  # its results folder under benchmarks/results (None: only a transfer's task)
+    folder: str | None = None  # its results folder under benchmarks/results
     grid: tuple[float, ...] | None = None  # the grid's configured rates (None: every rate run)
     methods: tuple[str, ...] = GRID_METHODS  # the grid's
     template: str | None = None  # how its questions are asked (None: the answer alone)
@@ -221,17 +194,10 @@ class ProblemSet:
     eval_max_new_tokens: int = CPU["eval_max_new_tokens"]
     rate_screen: tuple[float, ...] = ()  # GRPO's best rate screened over these on validation seeds
     delta_of: ProblemSet | None = None  # the problem set whose δ it keeps, choosing none of its own
-    transfer: Transfer | None = None
-    collapse_rate: float | None = None  # a configured rate at which GRPO collapsed on seed 1 (`plot_collapse`)
 
     def __post_init__(self):
         object.__setattr__(self, "config", frozen(self.config))
 
-    def task_record(self) -> dict:
-        """The fields a summary records of a transfer's task."""
-        return {"operators": self.operators, "max_operand": self.max_operand, "data": self.data, "title": self.title,
-                "eval_problems": self.eval_problems, "best_rate": self.best_rate,
-                "trust_region_kl": self.trust_region_kl}
 
 
 # products of a + b's operands, cut as its problems are; GRPO's best rate screened on validation seeds (a + b's best
@@ -248,20 +214,12 @@ A_TIMES_B = ProblemSet(title="a × b (0…14)", operators="*", max_operand=14, d
 # high end; δ the 90th percentile of the validation runs' per-step KL, rounded (the cap and target forms')
 A_PLUS_B = ProblemSet(title="a + b", operators="+", max_operand=14, data="data-sums", eval_problems=60, best_rate=1e-5,
                       trust_region_kl=0.01, folder="stability", grid=(1e-6, 3e-6, 1e-5, 3e-5, 1e-4),
-                      rate_screen=(3e-6, 1e-5, 3e-5),
-                      transfer=Transfer(A_TIMES_B, (REFERENCE, "oblrpo-trust-cap", "oblrpo-trust-target"),
-                                        "transfer-products", rate_screen=(1e-6, 3e-6, 1e-5, 3e-5)),
-                      collapse_rate=3e-4)
+                      rate_screen=(3e-6, 1e-5, 3e-5))
 # the learning benchmark's problems; GRPO's best rate is that benchmark's, and its δ, chosen as a + b's, spans the
-# per-step KL of runs that barely learn. Its transfer is the `arithmetic` task's products of operands up to 24, GRPO's
-# best rate and δ a ± b's (not screened)
+# per-step KL of runs that barely learn
 A_PLUS_MINUS_B = ProblemSet(
     title="a ± b", operators="+-", max_operand=CPU["max_operand"], data="data", eval_problems=200, best_rate=1e-4,
-    trust_region_kl=0.4, folder="stability-a-pm-b", grid=(1e-5, 3e-5, 1e-4, 3e-4, 1e-3),
-    transfer=Transfer(ProblemSet(title="a × b", operators="*", max_operand=24, data="data-multiplication",
-                                 eval_problems=200, best_rate=1e-4, trust_region_kl=0.4),
-                      (REFERENCE, "oblrpo-trust-cap", "oblrpo-no-trust"), "transfer-multiplication"),
-    collapse_rate=3e-4)
+    trust_region_kl=0.4, folder="stability-a-pm-b", grid=(1e-5, 3e-5, 1e-4, 3e-4, 1e-3))
 # does δ, a per-token KL chosen on answers of 7–16 tokens, keep its meaning on long ones? a + b's problems (the same
 # splits) asked as the math recipes ask them, the reward the graded answer with no term for length; a + b's δ kept.
 # Its grid: TRL's default rate, GRPO's best rate (screened on validation seeds) and 10× it, GRPO against the defaults
@@ -270,16 +228,14 @@ A_PLUS_B_REASONED = replace(
     A_PLUS_B, title="a + b, reasoned step by step", folder="stability-long",
     template="What is {question}?\n" + BOXED_INSTRUCTION, config={"max_completion_length": LONG_COMPLETIONS},
     eval_max_new_tokens=LONG_COMPLETIONS, rate_screen=(1e-6, 3e-6, 1e-5, 3e-5, 1e-4), best_rate=3e-5,
-    grid=(1e-6, 3e-5, 3e-4), methods=(REFERENCE, PEAK_DELTA_METHOD), delta_of=A_PLUS_B, transfer=None,
-    collapse_rate=None)
+    grid=(1e-6, 3e-5, 3e-4), methods=(REFERENCE, PEAK_DELTA_METHOD), delta_of=A_PLUS_B)
 PROBLEM_SETS: Mapping[str, ProblemSet] = MappingProxyType(
     {"a+b": A_PLUS_B, "a±b": A_PLUS_MINUS_B, "a×b": A_TIMES_B, "a+b-reasoned": A_PLUS_B_REASONED})
 
 
 def problems_titled(title: str) -> ProblemSet:
-    """The problem set (or transfer task) whose runs record ``title`` as their problems."""
-    return next(p for p in [*PROBLEM_SETS.values(), *(p.transfer.task for p in PROBLEM_SETS.values() if p.transfer)]
-                if p.title == title)
+    """The problem set whose runs record ``title`` as their problems."""
+    return next(p for p in PROBLEM_SETS.values() if p.title == title)
 
 
 # --- synthetic testbed -----------------------------------------------------------------------------------------------
@@ -325,15 +281,6 @@ def attribution_rates(problems: ProblemSet) -> tuple[float, ...]:
     return 1e-6, problems.best_rate, float(f"{10 * problems.best_rate:g}")
 
 
-def transfer_rates(problems: ProblemSet) -> tuple[float, ...]:
-    best = problems.transfer.task.best_rate
-    return best, float(f"{10 * best:g}")
-
-
-def transfer_screen(problems: ProblemSet) -> tuple[float, ...]:
-    return problems.transfer.rate_screen
-
-
 @dataclass(frozen=True)
 class Study:
     """A set of SmolLM2 runs, made by ``stability.py --part <part>``, each recording ``study``, ``steps`` and
@@ -346,10 +293,9 @@ class Study:
     seeds: tuple[int, ...]
     steps: int
     rates: Callable[[ProblemSet], tuple[float, ...]]
-    methods: tuple[str, ...] | None = None  # None: the problem set's grid's, or its transfer's
+    methods: tuple[str, ...] | None = None  # None: the problem set's grid's
     split: Literal["test", "validation"] = "test"
     problems: ProblemSet | None = None  # its own problem set (None: ``--problems``')
-    on_transfer: bool = False  # on ``--problems``' transfer task, in the transfer's folder
     config: Mapping[str, Any] = field(default_factory=lambda: NOTHING)  # config fields beyond the problem set's
     folder: str = ""  # its records' folder under runs/: its own where its runs share a method, rate and seed with
     # another study's (the record's file name says only those)
@@ -375,11 +321,6 @@ STUDIES: Mapping[str, Study] = by_name((
           methods=(DELTA_METHOD,), split="validation"),
     Study("validation", "validation", "any methods on validation seeds and the validation split (choosing)",
           seeds=VALIDATION_SEEDS, steps=40, rates=validation_rates, methods=(DELTA_METHOD,), split="validation"),
-    # in 40 steps the per-completion arm resolves at a median step 23 and acts on 40 % of the steps: 60 steps (TRL's
-    # schedule stretched over them) let it act on most of a run
-    Study("snr-long", "snr-long", "the SNR ablation's per-completion arm and the defaults without the factor, longer",
-          seeds=tuple(range(10)), steps=60, rates=best_rate,
-          methods=("oblrpo-defaults-snr-two-sided-cal5-per-sample", SNR_ABLATION_WITHOUT), folder="snr-long"),
     # what each part buys: the arms paired by seed at each rate; under the grid's name, so that a grid run of an arm
     # at one of these rates is one of its runs
     Study("attribution", "grid", "GRPO, GRPO with the shipped trust region, the defaults without it and the defaults, "
@@ -389,16 +330,6 @@ STUDIES: Mapping[str, Study] = by_name((
     # that reproduces its committed record step for step shows its cell is today's code
     Study("reproduce", "grid", "committed cells run again on seed 0 at GRPO's best rate", seeds=(0,), steps=40,
           rates=best_rate, methods=(REFERENCE, PEAK_DELTA_METHOD, "oblrpo-no-trust"), folder="reproduce"),
-    Study("transfer", "transfer", "the grid's δ, unchanged, on the problem set's second task", seeds=(0, 1, 2),
-          steps=40, rates=transfer_rates, on_transfer=True),
-    Study("transfer-rate", "validation", "GRPO's best rate on the second task, screened on validation seeds",
-          seeds=VALIDATION_SEEDS, steps=40, rates=transfer_screen, methods=(REFERENCE,), split="validation",
-          on_transfer=True),
-    # 4 prompts a step and a longer run, so that the calibration window resolves and the factor is seen acting
-    Study("resolve", "resolve", "one longer configuration on a ± b with more prompts a step", seeds=(0,), steps=60,
-          rates=lambda _: (3e-5,), methods=("oblrpo-no-trust", REFERENCE, "oblrpo-two-sided"),
-          problems=A_PLUS_MINUS_B, config={"per_device_train_batch_size": 16, "num_generations": 4},
-          folder="resolve"),
     # the SNR factor as it ships (raise-only) against none at 8 prompts a step (32 completions), where the synthetic
     # testbed saw it act on 2–5 % of the steps. 40 steps: the default calibration window opens after 5 estimates and
     # holds 20, so it resolves at step 26 at the earliest and the factor acts from step 27 (20 steps would leave it
@@ -410,11 +341,7 @@ STUDIES: Mapping[str, Study] = by_name((
           results="stability-snr-8prompts", compare=("oblrpo", SNR_ABLATION_WITHOUT)),
 ), name=lambda study: study.part)
 GRID = STUDIES["smollm2"]
-SNR_LONG = STUDIES["snr-long"]
-RESOLVE = STUDIES["resolve"]
 REPRODUCE = STUDIES["reproduce"]
-TRANSFER = STUDIES["transfer"]
-SUPERSEDED = "trust-region-v1"  # the first trust-region screen's runs, before steps with a zero gradient were left out
 
 
 def results_folder(part: str, problems: str) -> str:

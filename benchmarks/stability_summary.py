@@ -8,28 +8,24 @@ from __future__ import annotations
 import json
 import math
 import statistics
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import learning  # noqa: E402
-from common import EQUIVALENCE_MARGIN, RESULTS, equivalence, markdown_table, shipped, write_results  # noqa: E402
-from oblr_trl.estimators.snr import CALIBRATION_MIN_T  # noqa: E402
-from stability_figures import (  # noqa: E402
-    Row, cells_row, compared_row, plot_collapse, plot_rates_used, plot_summary, resolve_row, screen_row,
+from benchmarks import learning
+from benchmarks.common import EQUIVALENCE_MARGIN, RESULTS, equivalence, markdown_table, shipped, write_results
+from benchmarks.stability_figures import (
+    Row, cells_row, compared_row, plot_summary, screen_row,
 )
-from stability_measures import (  # noqa: E402
-    COLLAPSE_MARGIN, code_of_runs, completion_lengths, defaults_twin, delta_units, grid_summary,
-    median_completion_length, paired_by_rate, reproduction, screen_by_rate, smollm2_grid, snr_ablation,
-    step_kl_spread,
+from benchmarks.stability_measures import (
+    COLLAPSE_MARGIN, code_of_runs, completion_lengths, delta_units, grid_summary,
+    median_completion_length, paired_by_rate, reproduction, screen_by_rate, smollm2_grid, step_kl_spread,
 )
-from stability_registry import (  # noqa: E402
-    CPU, DEFAULT, DELTA_METHOD, GRID, LONG_COMPLETIONS, PEAK_DELTA, PEAK_DELTA_METHOD, RATE_FOLLOWERS, REFERENCE,
-    REPRODUCE, RESOLVE, SNR_ABLATION_ARMS, SNR_ABLATION_WITHOUT, SNR_LONG, STUDIES, SUPERSEDED, SYNTHETIC_METHODS,
-    TRANSFER, ProblemSet, Study, problems_titled,
+from benchmarks.stability_registry import (
+    CPU, DEFAULT, DELTA_METHOD, GRID, LONG_COMPLETIONS, PEAK_DELTA, PEAK_DELTA_METHOD, REFERENCE,
+    REPRODUCE, STUDIES, SYNTHETIC_METHODS,
+    ProblemSet, Study, problems_titled,
 )
 
 # --- the folder's records --------------------------------------------------------------------------------------------
@@ -187,31 +183,30 @@ def code_section(folder: Folder) -> Section | None:
                    {"code": code})
 
 
-def forms_section(folder: Folder) -> Section | None:
-    """The trust region's forms, paired by seed at each rate both ran (`form_comparison`)."""
-    if folder.grid is None or not folder.grid[0]["forms"]:
+def pairs_section(folder: Folder) -> Section | None:
+    """The registry's `PAIRS`, paired by seed at each rate both ran (`pair_comparison`)."""
+    if folder.grid is None or not folder.grid[0]["pairs"]:
         return None
-    comparison = folder.grid[0]["forms"]
+    comparison = folder.grid[0]["pairs"]
     rates = sorted({rate for by_rate in comparison.values() for rate in by_rate}, key=float)
     rows = [[pair, *(f"{interval(c['mean'], c['ci'])} (n={len(c['seeds'])}) · {equivalence(c['ci'])}"
                      if (c := by_rate.get(rate)) else "—" for rate in rates)]
             for pair, by_rate in comparison.items()]
-    return Section(["The trust region's forms (cap, target, peak), measuring cadences (every 8th, every 16th step) "
-                    "and curvature readings (per unit rate, per unit of Adam's update), on OBLR-PO's and on GRPO's "
-                    "advantages, paired by seed at each rate both ran (95 % t-interval over paired seeds). "
-                    f"{LEVEL}\n",
+    return Section(["What each part buys: the arms paired by seed at each rate both ran, first minus second (95 % "
+                    "t-interval over paired seeds; the trust region's earlier forms, paired alike, are in "
+                    f"[settled.md](settled.md)). {LEVEL}\n",
                     markdown_table(["final accuracy, paired by seed", *rates], rows), ""])
 
 
-def form_regrets_section(folder: Folder) -> Section | None:
-    """The forms' regret differences over the grid (`form_regret_differences`)."""
-    if folder.grid is None or not folder.grid[0]["form_regrets"]:
+def pair_regrets_section(folder: Folder) -> Section | None:
+    """The pairs' regret differences over the grid (`pair_regret_differences`)."""
+    if folder.grid is None or not folder.grid[0]["pair_regrets"]:
         return None
     return Section(["Regret difference over the grid, paired by seed (the seeds both ran at every rate; 95 % "
                     "t-interval over paired seeds):\n",
                     markdown_table(["pair", "regret difference [95 % CI]", "seeds"],
                                    [[pair, interval(d["mean"], d["ci"]), " ".join(map(str, d["seeds"]))]
-                                    for pair, d in folder.grid[0]["form_regrets"].items()]), ""])
+                                    for pair, d in folder.grid[0]["pair_regrets"].items()]), ""])
 
 
 def rate_rule_section(folder: Folder) -> Section | None:
@@ -255,41 +250,6 @@ def defaults_range_section(folder: Folder) -> Section | None:
                     markdown_table(["configured rate", "mean final", "seeds", "÷ best cell"],
                                    [[rate, f"{cell['final_mean']:.3f}", cell["seeds"], fraction(cell["of_best_cell"])]
                                     for rate, cell in details["defaults_range"].items()]), ""])
-
-
-def snr_ablation_section(folder: Folder) -> Section | None:
-    """The SNR factor on and off at GRPO's best rate, the rest of the defaults unchanged, paired by seed
-    (`snr_ablation`): the defaults' twin and `SNR_ABLATION_ARMS` in the grid's runs, and the `SNR_LONG` study's arm
-    against its own runs without the factor."""
-    if folder.grid is None:
-        return None
-    twin = defaults_twin(folder.problems)
-    grid, longer = folder.runs_of(GRID), folder.runs_of(SNR_LONG)
-    arms = [(arm, arm, grid) for arm in ([twin] if twin else []) + list(SNR_ABLATION_ARMS)]
-    arms += [(f"{SNR_LONG.part}: {arm}", arm, longer) for arm in SNR_LONG.methods if arm != SNR_ABLATION_WITHOUT]
-    screened = [m for m in (twin, SNR_ABLATION_WITHOUT, *SNR_ABLATION_ARMS) if m]
-    ablation = snr_ablation(arms, SNR_ABLATION_WITHOUT, folder.validation, screened, folder.problems.best_rate,
-                            defaults=twin)
-    if not ablation:
-        return None
-    rows = [[entry["with"], entry["steps"], f"{entry['with_final_mean']:.3f}", f"{entry['without_final_mean']:.3f}",
-             interval(entry["difference_mean"], entry["difference_ci"]), equivalence(entry["difference_ci"]),
-             len(entry["seeds"]), fraction(entry["acting_fraction"])]
-            for entry in ([ablation] if "with" in ablation else []) + list(ablation["variants"].values())]
-    lines = [f"The SNR factor on and off, the rest of the defaults unchanged (final test accuracy at "
-             f"{ablation['rate']:g}, paired by seed against `{SNR_ABLATION_WITHOUT}` over as many steps; acted: the "
-             "share of the arm's steps whose rate the factor moved by more than 1 %; 95 % t-interval over paired "
-             f"seeds). {LEVEL}\n"]
-    if rows:
-        lines += [markdown_table(["with the factor", "steps", "final", "without", "difference [95 % CI]", "level",
-                                  "seeds", "acted"], rows), ""]
-    if ablation["validation"]:
-        lines += ["Validation runs that chose the arms (validation seeds and split):\n",
-                  markdown_table(["method", "seed: final validation acc.", "acted"],
-                                 [[method, ", ".join(f"{seed}: {acc:.3f}" for seed, acc in v["final_by_seed"].items()),
-                                   fraction(v["acting_fraction"])]
-                                  for method, v in ablation["validation"].items()]), ""]
-    return Section(lines, {"snr_ablation": ablation})
 
 
 def beyond_grid_section(folder: Folder) -> Section | None:
@@ -341,77 +301,6 @@ def rate_screen_section(folder: Folder) -> Section | None:
         return None
     results, lines = screen_lines(screen, folder.problems)
     return Section(lines, {"rate_screen": results}, [screen_row(screen)])
-
-
-def transfer_rate_screen_section(folder: Folder) -> Section | None:
-    """GRPO's rate screen on the problem set's second task (`--part transfer-rate`)."""
-    transfer = folder.problems.transfer
-    screen = [] if transfer is None else read_runs(folder.output_dir / "runs" / transfer.runs, "validation")
-    if not screen:
-        return None
-    results, lines = screen_lines(screen, transfer.task)
-    return Section(lines, {"transfer_rate_screen": results})
-
-
-def transfer_section(folder: Folder) -> Section | None:
-    """The grid's δ, unchanged, on the second task: cells and regret over its rates (`smollm2_grid`)."""
-    transfer = folder.problems.transfer
-    if transfer is None:
-        return None
-    runs = folder.tests_in(transfer.runs)
-    initial = next((r for r in runs if r["method"] == "initial"), None)
-    grid = initial and smollm2_grid(initial, folder.runs_of(TRANSFER, transfer.runs), transfer.task, None)
-    if not grid:
-        return None
-    summary, details = grid
-    task, delta, source = transfer.task, folder.problems.trust_region_kl, folder.problems.title
-    rate_origin = "screened above" if transfer.rate_screen else f"taken from {source}"
-    return Section(
-        [f"## Transfer: δ = {delta:g}, chosen on {source}, unchanged on {task.title} (operands 0…{task.max_operand}, "
-         f"{details['steps']} steps, untrained test accuracy {details['initial_accuracy']:.3f}; runs in "
-         f"`runs/{transfer.runs}/`)\n",
-         grader_warning(runs),
-         f"GRPO's best rate ({rate_origin}) and 10× it; cells and regret as above, the regret over these rates "
-         "only.\n",
-         cell_table(summary, details["rates"]), ""],
-        {"transfer": {**summary, **details, "task": task.task_record(), "trust_region_kl": delta,
-                      "grader": learning.grader_of(runs[0])}},
-        [cells_row(f"SmolLM2-135M, {task.title}: δ = {delta:g} carried over", summary, details["rates"])])
-
-
-# --- studies of their own --------------------------------------------------------------------------------------------
-def resolve_section(folder: Folder) -> Section | None:
-    """The `RESOLVE` study's runs: when the SNR factor's calibration resolved, its t-statistic, the factor it gave and
-    the rate each step used."""
-    runs = sorted(folder.runs_of(RESOLVE), key=lambda r: (r["learning_rate"], r["method"]))
-    if not runs:
-        return None
-    rows = []
-    for r in runs:
-        factors = [f for f in r["traces"]["snr/lr_factor"] if not math.isnan(f)]
-        resolved = next((i + 1 for i, v in enumerate(r["traces"]["snr/resolved"]) if v == 1), None)
-        t_values = [t for t in r["traces"]["snr/calibration_t"] if math.isfinite(t)]
-        ratios = [f / ref for f, ref in zip(r["traces"]["snr/bound_factor"], r["traces"]["snr/reference_factor"])
-                  if math.isfinite(f / ref)]  # what an unclamped calibrated factor would have been
-        rows.append([r["method"], r["learning_rate"], r["accuracy"], learning.auc(r),
-                     resolved or ("never" if factors else "— (no SNR factor)"),
-                     f"{max(t_values):.2f} / {t_values[-1]:.2f}" if t_values else "—",
-                     f"{min(ratios):.2f}–{max(ratios):.2f}" if ratios else "—",
-                     f"{min(factors):.2f}–{max(factors):.2f}" if factors else "—",
-                     statistics.fmean(factors) if factors else "—"])
-    seeds = ", ".join(map(str, RESOLVE.seeds))
-    return Section(
-        [f"## SmolLM2 with more prompts a step, so that the calibration can resolve ({dict(RESOLVE.config)}, "
-         f"{RESOLVE.steps} steps, seed {seeds}; the rates tried)\n",
-         "The window resolves once it holds `snr_calibration_steps` estimates (20 by default) whose mean ‖μ‖² has a "
-         f"t-statistic ≥ {CALIBRATION_MIN_T:g}; until then the factor is 1.\n",
-         markdown_table(["run", "lr", "final acc.", "mean training reward", "resolved at step", "t: largest / last",
-                         "f_t/f_ref once resolved", "factor range", "mean factor"], rows), ""],
-        {"resolve": [{key: r[key] for key in ("method", "seed", "learning_rate", "accuracy")}
-                     | {"auc": learning.auc(r), "lr_factor": r["traces"]["snr/lr_factor"],
-                        "resolved": r["traces"]["snr/resolved"], "effective_lr": learning.used_rates(r["traces"])}
-                     for r in runs]},
-        [resolve_row(runs, RESOLVE.config["per_device_train_batch_size"])])
 
 
 def compared_studies_section(folder: Folder) -> Section | None:
@@ -518,42 +407,6 @@ def delta_section(folder: Folder) -> Section | None:
         {"trust_region_delta": results})
 
 
-def trust_region_runs_section(folder: Folder) -> Section | None:
-    """Every run of the trust region's first forms and the paper-literal factor, with its median step KL; the traces
-    of one collapsing seed (`plot_collapse`, `plot_rates_used`)."""
-    runs = [r for r in folder.runs_of(GRID) if r["method"] in [*RATE_FOLLOWERS, "oblrpo-paper"]]
-    if not runs:
-        return None
-    rows = [[r["method"], r["learning_rate"], r["seed"], r["accuracy"], learning.auc(r),
-             statistics.median(k for k in r["traces"]["oblr/step_kl"] if math.isfinite(k))
-             if any(math.isfinite(k) for k in r["traces"]["oblr/step_kl"]) else "—"]
-            for r in sorted(runs, key=lambda r: (r["learning_rate"], r["seed"], r["method"]))]
-    lines = ["Trust-region runs so far (the grid is not complete: see the table above for the cells):\n",
-             markdown_table(["method", "lr", "seed", "final acc.", "mean training reward", "median step KL"], rows),
-             ""]
-    collapse = plot_collapse(folder.runs_of(GRID), folder.problems, folder.output_dir)
-    if collapse is not None:
-        lines += [f"![one collapsing seed with and without the trust region]({collapse.name})\n"]
-    rates_used = plot_rates_used(folder.runs_of(GRID), folder.output_dir)
-    if rates_used is not None:
-        lines += [f"![the rate each step used, per configured rate]({rates_used.name})\n"]
-    return Section(lines)
-
-
-def superseded_section(folder: Folder) -> Section | None:
-    """The trust region's first rule, superseded, kept beside the grid (`runs/trust-region-v1/`)."""
-    runs = folder.tests_in(SUPERSEDED)
-    if not runs:
-        return None
-    return Section([f"Rule v1, superseded (`runs/{SUPERSEDED}/`: it also folded the KL of steps with a zero gradient, "
-                    "which move by Adam's momentum only, into the curvature):\n",
-                    markdown_table(["method", "lr", "seed", "final acc."],
-                                   [[r["method"], r["learning_rate"], r["seed"], r["accuracy"]]
-                                    for r in sorted(runs, key=lambda r: (r["method"], r["learning_rate"]))]), ""],
-                   {"trust_region_v1": [{key: r[key] for key in ("method", "seed", "learning_rate", "accuracy")}
-                                        for r in runs]})
-
-
 # --- the synthetic testbed -------------------------------------------------------------------------------------------
 def synthetic_defaults_line() -> str:
     """Which testbed method of this grid runs OBLR-PO's rate rule as it ships, where `oblrpo` there does not (the
@@ -607,10 +460,9 @@ def reproduce_section(folder: Folder) -> Section | None:
 
 
 SECTIONS: tuple[Callable[[Folder], Section | None], ...] = (
-    grid_section, code_section, forms_section, form_regrets_section, rate_rule_section, defaults_range_section, snr_ablation_section,
-    beyond_grid_section, completion_lengths_section, rate_screen_section, transfer_rate_screen_section,
-    transfer_section, resolve_section, compared_studies_section, delta_section, trust_region_runs_section,
-    superseded_section, synthetic_section, reproduce_section)
+    grid_section, code_section, pairs_section, pair_regrets_section, rate_rule_section, defaults_range_section,
+    beyond_grid_section, completion_lengths_section, rate_screen_section, compared_studies_section, delta_section,
+    synthetic_section, reproduce_section)
 
 
 def write_summary(output_dir: Path, problems: ProblemSet) -> None:
@@ -619,7 +471,7 @@ def write_summary(output_dir: Path, problems: ProblemSet) -> None:
     folder = Folder.read(output_dir, problems)
     sections = [section for section in (write(folder) for write in SECTIONS) if section is not None]
     if not sections:
-        raise SystemExit("nothing has been run yet: run --part synthetic, smollm2 or resolve first")
+        raise SystemExit("nothing has been run yet: run --part synthetic, smollm2 or validation first")
     rows = [row for section in sections for row in section.rows]
     figure = plot_summary(rows, output_dir) if rows else None
     markdown = ["# Stability over the configured learning rate\n", *(["![summary](summary.png)\n"] if figure else []),

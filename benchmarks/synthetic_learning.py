@@ -25,33 +25,30 @@ completions). A method's learning rate is chosen on validation seeds (highest me
 a log-spaced grid; the comparison then runs on fresh test seeds, paired (same initial parameters and prompts per seed),
 with 95 % t-intervals of the paired differences over the paired seeds.
 
-    python benchmarks/synthetic_learning.py                  # 20 validation + 100 test seeds, 16 min on 2 busy cores
+    python -m benchmarks.synthetic_learning                  # 20 validation + 100 test seeds, 16 min on 2 busy cores
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import dataclass, field
 from functools import cached_property, partial
-from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (  # noqa: E402
+from benchmarks.common import (
     RESULTS, markdown_table, new_figure, save_figure, shipped, t_interval, write_results,
 )
 
-from oblr_trl.estimators.advantages import gradient_weighted_advantages  # noqa: E402
-from oblr_trl.estimators.baselines import PooledSlope  # noqa: E402
-from oblr_trl.estimators.snr import cross_step_noise_estimate  # noqa: E402
-from oblr_trl.estimators.step_rate import (  # noqa: E402
+from oblr_trl.estimators.advantages import gradient_weighted_advantages
+from oblr_trl.estimators.baselines import PooledSlope
+from oblr_trl.estimators.snr import cross_step_noise_estimate
+from oblr_trl.estimators.step_rate import (
     RATE_RULE_OPTIONS, RateRuleTuning, StepRateRule, step_rate_rule,
 )
-from oblr_trl.estimators.trust_region import sampled_token_kl  # noqa: E402
-from oblr_trl.estimators.weights import length_weights, logit_gradient_sq_norms, uniform_weights  # noqa: E402
+from oblr_trl.estimators.trust_region import sampled_token_kl
+from oblr_trl.estimators.weights import length_weights, logit_gradient_sq_norms, uniform_weights
 
 # the rate rules, as options of the rule (`RATE_RULE_OPTIONS`) over the shipped defaults ({} is what ships)
 CONSTANT_RATE = {"use_snr_lr": False, "lr_trust_region_kl": None}  # the scheduled rate, as TRL's GRPO

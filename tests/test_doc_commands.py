@@ -1,5 +1,5 @@
 """Every command the docs show runs here as written: the fenced ```bash blocks and the inline `oblr-trl …`,
-`python -m oblr_trl …`, `accelerate launch … -m oblr_trl …` and `python benchmarks/….py …` spans of README.md
+`python -m oblr_trl …`, `accelerate launch … -m oblr_trl …` and `python -m benchmarks.… …` spans of README.md
 and docs/*.md, the commands in the recipes' comments, the notebooks' shell cells and markdown, and the flags the prose
 shows (`--lr_trust_region_kl None`) as `oblr-trl train FLAG`. One test id per command: the file and line it is on.
 
@@ -18,7 +18,7 @@ How each is checked:
   as written; `plot` and `eval` of a run on the run the doc's training command writes (`runs/quickstart`: the
   quickstart's one-step run). A command the docs show twice runs once;
 * a mistake the docs show (`--learning_rate -1`) is refused in one line naming the field;
-* `python benchmarks/X.py ARGS`: the script's own argparse parses ARGS, then it stops (a benchmark runs for hours).
+* `python -m benchmarks.X ARGS`: the benchmark's own argparse parses ARGS, then it stops (a benchmark runs for hours).
 
 Not run: `pip install …` (CI installs the package that way), `python -m pytest …` (the suite itself) and `bash .ci/…`
 (CI's install scripts). Templates (`<recipe>`, `RECIPE.yaml`, `CHECKPOINT`, `…`, `{a,b}`, `a | b`) are not commands,
@@ -72,7 +72,7 @@ class DocCommand:
             return "cli"
         if words[:2] == ("accelerate", "launch"):
             return "launch" if self._module_position() is not None else "unknown"
-        if words[0] == "python" and len(words) > 1 and words[1].startswith("benchmarks/"):
+        if words[:2] == ("python", "-m") and len(words) > 2 and words[2].startswith("benchmarks."):
             return "benchmark"
         if any(words[:len(prefix)] == prefix for prefix in NOT_RUN):
             return "not run"
@@ -104,7 +104,7 @@ class DocCommand:
             return False
         if self.kind == "unknown":  # `accelerate launch` without a module
             return True
-        args = self.cli_args if self.kind in ("cli", "launch") else list(self.words[2:])
+        args = self.cli_args if self.kind in ("cli", "launch") else list(self.words[3:])
         return len(args) == 0 or (len(args) == 1 and not args[0].startswith("-"))
 
 
@@ -509,7 +509,7 @@ def test_a_mistake_the_docs_show_is_refused_in_one_line(command, monkeypatch, ca
 
 
 # the script's own argparse parses the arguments, then it stops: nothing of the benchmark runs
-PARSE_AND_STOP = """import argparse, os, runpy, sys
+PARSE_AND_STOP = """import argparse, runpy, sys
 parse_known_args = argparse.ArgumentParser.parse_known_args
 def parse_and_stop(self, args=None, namespace=None):
     namespace, unknown = parse_known_args(self, args, namespace)
@@ -519,13 +519,12 @@ def parse_and_stop(self, args=None, namespace=None):
     raise SystemExit(0)
 argparse.ArgumentParser.parse_known_args = parse_and_stop
 sys.argv = sys.argv[1:]
-sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[0])))
-runpy.run_path(sys.argv[0], run_name="__main__")
+runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
 """
 
 
 @pytest.mark.parametrize("command", BENCHMARKS, ids=ids(BENCHMARKS))
 def test_the_benchmark_command_parses(command, tmp_path_factory):
-    done = subprocess.run([sys.executable, "-c", PARSE_AND_STOP, *command.words[1:]],
+    done = subprocess.run([sys.executable, "-c", PARSE_AND_STOP, *command.words[2:]],
                           cwd=scratch_folder(tmp_path_factory), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and "parsed:" in done.stdout, done.stderr[-3000:]

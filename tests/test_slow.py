@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
@@ -15,9 +15,9 @@ def test_default_learns_level_with_grpo_on_the_synthetic_testbed(tmp_path):
     """Issue 13's bar at full power: each method at its own best rate, 100 paired seeds; the default OBLR-PO's area
     under the held-out curve is at least level with GRPO's (the 95 % interval of the difference reaches 0 or above)."""
     done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "synthetic_learning.py"), "--methods", "grpo", "oblrpo",
+        [sys.executable, "-m", "benchmarks.synthetic_learning", "--methods", "grpo", "oblrpo",
          "--output_dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=1200,
+        capture_output=True, text=True, timeout=1200, cwd=ROOT,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     oblrpo = json.loads((tmp_path / "summary.json").read_text())["methods"]["oblrpo"]

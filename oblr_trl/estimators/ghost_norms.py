@@ -26,7 +26,7 @@ so autograd computes activation gradients but no parameter gradients (and `.grad
 
 Each phase runs under a `torch.profiler.record_function` label `ghost_norms.<phase>` (the backbone's forward, the
 backward and in it the linear, RMSNorm and head terms, then the embedding terms), so that a profile of a training
-step splits the pass without changing it (`benchmarks/exact_weights_profile.py`).
+step splits the pass without changing it (benchmarks/README.md: the profile's pages).
 """
 
 from __future__ import annotations
