@@ -427,7 +427,7 @@ def run_result(spec: dict, variant: str, trainer, times: dict[str, list[float]],
 
 
 def step_kl_cadence(trainer, step_kl_seconds: list[float]) -> dict:
-    """What the trust region's measuring forward costs a step in a long run, from one run.
+    """How often one run measured the step's KL and what one measurement cost.
 
     The forward runs on the first step and then once every ``lr_trust_region_measure_steps`` steps *with a gradient*
     (`StepRateRule._kl_due`: a step whose groups all scored alike has none and does not count), so a short window can

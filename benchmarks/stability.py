@@ -195,12 +195,12 @@ class Plan:
 def plan(study: Study, args) -> Plan:
     """The study on ``--problems`` (or its own problem set), narrowed by the options; a settled method among its
     methods stops it (`refuse_settled`)."""
-    problems = source = study.problems or PROBLEM_SETS[args.problems]
+    problems = study.problems or PROBLEM_SETS[args.problems]
     folder = Path(args.output_dir) / "runs" / study.folder
-    methods = args.methods or study.methods or source.methods
+    methods = args.methods or study.methods or problems.methods
     refuse_settled(methods, SETTLED_METHODS)
     return Plan(study, problems, tuple(grid_methods(list(methods), problems)),
-                tuple(args.rates or study.rates(source)), tuple(args.seeds or study.seeds), args.steps or study.steps,
+                tuple(args.rates or study.rates(problems)), tuple(args.seeds or study.seeds), args.steps or study.steps,
                 folder)
 
 

@@ -1,5 +1,4 @@
-"""The stability summary's figures: ``summary.png``, a row of two panels per section that draws one, and the traces
-of one collapsing seed (``collapse_seed.png``, ``rates_used.png``)."""
+"""The stability summary's figure, ``summary.png``: a row of two panels per section that draws one."""
 
 from __future__ import annotations
 
