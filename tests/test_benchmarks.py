@@ -1283,3 +1283,11 @@ def test_the_summary_names_the_code_each_methods_runs_were_made_by():
             {"method": "oblrpo", "code": {"git_commit": "abc1234", "git_dirty": False}}]
     assert code_of_runs(runs) == {"grpo": {"abc1234": 1, "abc1234+dirty": 1, "not recorded": 1},
                                   "oblrpo": {"abc1234": 1}}
+
+
+def test_the_cpu_lora_preset_is_the_cpu_preset_under_the_recipes_lora():
+    """`--preset cpu-lora` times the CPU preset's runs with the recipes' LoRA adapters and nothing else changed."""
+    from benchmarks.overhead import PRESETS, RECIPE_LORA, parse_args
+
+    assert PRESETS["cpu-lora"] == {**PRESETS["cpu"], "peft": RECIPE_LORA} and PRESETS["cpu"]["peft"] is None
+    assert parse_args(["--preset", "cpu-lora"]).preset == "cpu-lora"
