@@ -1,75 +1,27 @@
-"""Benchmark `learning`: does OBLR-PO's default learn at least as fast as TRL's GRPO, each at its own best rate?
+"""One SmolLM2 run of the stability benchmark, in a process of its own.
 
-Protocol (the same for every preset):
-
-1. **Sweep.** Every method trains at each rate of a log-spaced grid (the GRPO rate ×1/3 … ×10) on validation seeds;
-   its best rate is the one with the highest mean final accuracy on the *validation* problems (ties: reward AUC).
-2. **Test.** Every method trains at its best rate on fresh test seeds, paired across methods (same seed, same model,
-   same prompt order); the final greedy accuracy is measured on the *test* problems, which neither the training nor the
-   sweep sees.
-3. **Control.** `oblrpo-constant`: OBLR-PO's baseline at a constant rate equal to the default's realised mean effective
-   rate on the test seeds, so that a difference the SNR factor makes is not just a different mean rate.
-
-The problems are "a + b" and "a − b" with operands 0…`max_operand`, split once into disjoint test, validation and
-training sets. Every method uses the same optimizer, gradient clipping (`max_grad_norm`; the clipped fraction of steps
-is reported), `loss_type`, KL coefficient and completions per step; only the baseline, the reward scaling and the
-learning-rate rule differ:
-
-* `oblrpo`: OBLRPOTrainer with its defaults (pooled-slope gradient-weighted baseline, group std scaling as TRL's,
-  calibrated SNR learning rate; the committed results were measured before 2026-11-23, without std scaling);
-* `grpo`: TRL's GRPOTrainer with its defaults (group mean, group std scaling);
-* `oblrpo-no-snr`, `rloo`, `opo`: for a longer run (`--methods`). The {none, group} × {uniform, weighted} cross that
-  separates scaling from baseline runs on the synthetic testbed (`synthetic_learning.py`), which has the seeds for it.
-
-Reported per method: best rate, mean training reward over the steps (the reward's area under the curve, AUC), final
-test accuracy, both with 95 % t-intervals over seeds, and their paired differences with `grpo` (95 % t-intervals over
-paired seeds; level with `grpo` only where the final accuracy's interval lies inside ±`EQUIVALENCE_MARGIN`); the mean
-SNR factor (all steps, and after the calibration window), the fraction of clipped steps; curves of reward, effective
-rate, f_t, gradient norm and the noise estimates. Each run is a fresh process and its result is kept under
-`<output_dir>/runs/`, so an interrupted benchmark resumes where it stopped.
-
-    python -m benchmarks.learning                      # SmolLM2-135M on CPU, 2 runs at a time (about 100 minutes)
-    python -m benchmarks.learning --preset gpu         # SmolLM2-135M, 100 steps × 64 completions, on one GPU
+`stability.py` turns each run of a study into a spec and hands the specs to `run_all`, which keeps each run's record
+under the results folder's ``runs/``, reuses a record that still answers its spec (`current`) and runs `run_child` for
+each of the others in a fresh process (`common.run_in_subprocesses`). `run_child` trains OBLRPOTrainer with the
+spec's overrides (TRL's GRPOTrainer where it has none) on a split of arithmetic problems (`problem_splits`: every
+"a op b" with operands 0…max_operand, cut once into disjoint test, validation and training sets), answers the held-out
+split greedily and returns the record the summaries read: the accuracy and each problem's outcome, the reward and
+`TRACES` per step, the resolved config, the trust region it ran with and the code it ran. `CPU` is the configuration
+every run starts from. The learning study the module is named for is settled (benchmarks/README.md, "Settled
+questions").
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import os
 import random
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import (
-    EQUIVALENCE_MARGIN,
-    RESULTS,
-    build_trainer,
-    code_and_versions,
-    child_main,
-    equivalence,
-    markdown_table,
-    new_figure,
-    parse_overrides,
-    run_in_subprocesses,
-    save_figure,
-    t_interval,
-    write_results,
-)
+from benchmarks.common import build_trainer, code_and_versions, run_in_subprocesses
 
-METHODS = {
-    "oblrpo": {},
-    "grpo": None,
-    "oblrpo-no-snr": {"use_snr_lr": False},
-    "rloo": {"baseline_weights": "uniform", "baseline_estimator": "weighted", "use_snr_lr": False, "scale_rewards": "none"},
-    "opo": {"baseline_weights": "length", "baseline_estimator": "weighted", "leave_one_out": False, "use_snr_lr": False,
-            "scale_rewards": "none"},
-}
-CONTROL = "oblrpo-constant"
-REFERENCE = "grpo"
 # the curves logged per step, besides the reward
 TRACES = ("learning_rate", "grad_norm", "snr/lr_factor", "snr/bound_factor", "snr/grad_sq_norm_ema",
           "snr/trace_cov_ema", "snr/resolved", "snr/calibration_t", "snr/reference_factor", "oblr/step_kl",
@@ -91,51 +43,16 @@ def used_rates(traces: dict) -> list[float]:
     return traces["learning_rate"]
 
 
-PRESETS = {
-    "cpu": {
-        "model": "builtin:smollm2-135m-instruct",
-        "max_operand": 19,
-        # two groups of 4 in one micro-batch: GRPO's per-group std scaling then differs from no scaling (one group
-        # per step, rescaled as a whole, would be undone by gradient clipping)
-        "config": dict(per_device_train_batch_size=8, gradient_accumulation_steps=1, num_generations=4,
-                       max_completion_length=16, learning_rate=3e-5, lr_scheduler_type="constant_with_warmup",
-                       warmup_steps=5, max_grad_norm=1.0, beta=0.0, loss_type="dapo", gradient_checkpointing=False,
-                       bf16=False, use_cpu=True),
-        "rates": [1e-5, 3e-5, 1e-4, 3e-4],
-        "steps": 40, "validation_seeds": [100], "test_seeds": [0, 1, 2, 3, 4], "eval_problems": 200,
-        "eval_max_new_tokens": 16, "jobs": 2,
-    },
-    "gpu": {
-        "model": "builtin:smollm2-135m-instruct",
-        "max_operand": 19,
-        "config": dict(per_device_train_batch_size=64, gradient_accumulation_steps=1, num_generations=8,
-                       max_completion_length=16, learning_rate=3e-5, lr_scheduler_type="constant_with_warmup",
-                       warmup_steps=5, max_grad_norm=1.0, beta=0.0, loss_type="dapo", gradient_checkpointing=False,
-                       bf16=True),
-        "rates": [1e-5, 3e-5, 1e-4, 3e-4],
-        "steps": 100, "validation_seeds": [100, 101], "test_seeds": [0, 1, 2, 3, 4, 5, 6, 7], "eval_problems": 200,
-        "eval_max_new_tokens": 16, "jobs": 4,
-    },
+# two groups of 4 in one micro-batch: GRPO's per-group std scaling then differs from no scaling (one group per step,
+# rescaled as a whole, would be undone by gradient clipping); a problem set and a method override what they set
+CPU = {
+    "max_operand": 19,
+    "config": dict(per_device_train_batch_size=8, gradient_accumulation_steps=1, num_generations=4,
+                   max_completion_length=16, learning_rate=3e-5, lr_scheduler_type="constant_with_warmup",
+                   warmup_steps=5, max_grad_norm=1.0, beta=0.0, loss_type="dapo", gradient_checkpointing=False,
+                   bf16=False, use_cpu=True),
+    "eval_max_new_tokens": 16,
 }
-
-
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
-    parser.add_argument("--model", default=None, help="override the preset's model")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
-                        help="override a field of the preset's config for every method, e.g. --set max_steps=60")
-    parser.add_argument("--methods", nargs="+", default=["oblrpo", REFERENCE], choices=list(METHODS))
-    parser.add_argument("--rates", type=float, nargs="+", default=None, help="the sweep's grid (preset default)")
-    parser.add_argument("--validation_seeds", type=int, nargs="+", default=None)
-    parser.add_argument("--test_seeds", type=int, nargs="+", default=None)
-    parser.add_argument("--steps", type=int, default=None, help="optimizer steps per run (preset default)")
-    parser.add_argument("--eval_problems", type=int, default=None, help="problems in each of test and validation")
-    parser.add_argument("--jobs", type=int, default=None,
-                        help="runs at once, each its own process with cpu_count/jobs threads (preset default)")
-    parser.add_argument("--output_dir", default=None, help="default: benchmarks/results/learning_<preset>")
-    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    return parser.parse_args(argv)
 
 
 def problem_splits(max_operand: int, eval_problems: int, seed: int = 0,
@@ -313,168 +230,3 @@ def run_all(specs: list[dict], folder: Path, description: str, jobs: int) -> lis
 def auc(run: dict) -> float:
     """Reward area under the curve: the mean training reward over the run's steps."""
     return statistics.fmean(run["reward"])
-
-
-def after_calibration(run: dict, skip: int) -> list[float]:
-    return [f for f in run["traces"]["snr/lr_factor"][skip:] if not math.isnan(f)] or [1.0]
-
-
-def summarise(sweep, test, methods, rates, best, skip):
-    by_method = {m: sorted((r for r in test if r["method"] == m), key=lambda r: r["seed"]) for m in methods}
-    reference = {r["seed"]: r for r in by_method[REFERENCE]} if REFERENCE in by_method else {}
-    summary = {}
-    for method, runs in by_method.items():
-        aucs, finals = [auc(r) for r in runs], [r["accuracy"] for r in runs]
-        factors = [f for r in runs for f in r["traces"]["snr/lr_factor"] if not math.isnan(f)] or [1.0]
-        calibrated = [f for r in runs for f in after_calibration(r, skip)]
-        clipped = [g > r["max_grad_norm"] for r in runs for g in r["traces"]["grad_norm"] if not math.isnan(g)]
-        entry = {
-            "best_lr": runs[0]["learning_rate"], "seeds": [r["seed"] for r in runs],
-            "auc_mean": statistics.fmean(aucs), "auc_ci": t_interval(aucs),
-            "final_acc_mean": statistics.fmean(finals), "final_acc_ci": t_interval(finals),
-            "final_acc_per_seed": finals, "auc_per_seed": aucs,
-            "mean_lr_factor": statistics.fmean(factors), "mean_lr_factor_after_calibration": statistics.fmean(calibrated),
-            "lr_factor_range": [min(factors), max(factors)],
-            "clipped_fraction": statistics.fmean(clipped) if clipped else 0.0,
-            "minutes_per_run": statistics.fmean(r["seconds"] for r in runs) / 60,
-        }
-        if reference and method != REFERENCE:
-            paired = [r for r in runs if r["seed"] in reference]
-            auc_diff = [auc(r) - auc(reference[r["seed"]]) for r in paired]
-            acc_diff = [r["accuracy"] - reference[r["seed"]]["accuracy"] for r in paired]
-            entry.update(auc_diff_vs_grpo=statistics.fmean(auc_diff), auc_diff_vs_grpo_ci=t_interval(auc_diff),
-                         final_acc_diff_vs_grpo=statistics.fmean(acc_diff),
-                         final_acc_diff_vs_grpo_ci=t_interval(acc_diff))
-        if method in best:
-            entry["sweep"] = {f"{lr:.3g}": dict(zip(("validation_acc", "validation_auc"), sweep_score(sweep, method, lr)))
-                              for lr in rates}
-        summary[method] = entry
-    return summary
-
-
-def sweep_score(sweep: list[dict], method: str, rate: float) -> tuple[float, float]:
-    """(mean final validation accuracy, mean reward AUC) of ``method`` at ``rate`` over the validation seeds."""
-    runs = [r for r in sweep if r["method"] == method and r["learning_rate"] == rate]
-    return statistics.fmean(r["accuracy"] for r in runs), statistics.fmean(auc(r) for r in runs)
-
-
-def choose_rates(sweep: list[dict], methods: list[str], rates: list[float]) -> dict[str, float]:
-    """Each method's best rate: highest validation accuracy, ties broken by reward AUC."""
-    return {method: max(rates, key=lambda rate: sweep_score(sweep, method, rate)) for method in methods}
-
-
-def plot(test, methods, output_dir, name):
-    panels = [("reward", "training reward (5-step moving average)"), ("oblr/lr", "learning rate used"),
-              ("snr/lr_factor", "SNR factor f_t / f_ref (OBLR-PO)"), ("grad_norm", "gradient norm (before clipping)"),
-              ("snr/bound_factor", "f_t = N·SNR / (1 + N·SNR)"), ("snr/trace_cov_ema", "noise estimate tr Σ (EMA)")]
-    figure, axes = new_figure(len(panels), (5 * len(panels), 4.2))
-    for method in methods:
-        runs = [r for r in test if r["method"] == method]
-        for axis, (key, title) in zip(axes, panels):
-            if key == "oblr/lr":
-                curves = [used_rates(r["traces"]) for r in runs]
-            else:
-                curves = [r["reward"] if key == "reward" else r["traces"][key] for r in runs]
-            if all(math.isnan(v) for c in curves for v in c):
-                continue
-            if key == "reward":
-                curves = [[statistics.fmean(c[max(0, i - 4): i + 1]) for i in range(len(c))] for c in curves]
-            steps = list(range(1, len(curves[0]) + 1))
-            mean = [statistics.fmean(v for v in column if not math.isnan(v)) if any(not math.isnan(v) for v in column)
-                    else math.nan for column in zip(*curves)]
-            axis.plot(steps, mean, label=method)
-            axis.set_title(title, fontsize=9)
-            axis.set_xlabel("optimizer step")
-    for axis in axes:
-        axis.grid(alpha=0.3)
-        if axis.has_data():
-            axis.legend(fontsize=8)
-    return save_figure(figure, output_dir, name)
-
-
-def ci(values) -> str:
-    """An interval; "[one seed]" where one seed gives none (`t_interval`'s NaN)."""
-    return "[one seed]" if math.isnan(values[0]) else f"[{values[0]:+.3f}, {values[1]:+.3f}]"
-
-
-def main(argv=None):
-    args = parse_args(argv)
-    if args.child:
-        return child_main(run_child, args.child)
-    preset = PRESETS[args.preset]
-    config = {**preset["config"], **parse_overrides(args.overrides)}
-    rates = args.rates or preset["rates"]
-    steps = args.steps or preset["steps"]
-    eval_problems = args.eval_problems or preset["eval_problems"]
-    jobs = args.jobs or preset["jobs"]
-    validation_seeds, test_seeds = args.validation_seeds or preset["validation_seeds"], args.test_seeds or preset["test_seeds"]
-    output_dir = Path(args.output_dir or RESULTS / f"learning_{args.preset}")
-    paths = write_splits(problem_splits(preset["max_operand"], eval_problems), output_dir / "data")
-    model = args.model or preset["model"]
-    base = {"model": model, "config": config, "steps": steps, "train": paths["train"], "threads": max(1, (os.cpu_count() or 1) // jobs),
-            "eval_max_new_tokens": preset["eval_max_new_tokens"]}
-    runs_dir = output_dir / "runs"
-    base["scratch"] = str(Path(tempfile.gettempdir()) / "oblr-trl-learning")  # the runs save nothing there
-
-    initial = run_all([{**base, "method": "initial", "seed": 0, "learning_rate": 0.0, "split": split,
-                        "held_out": paths[split]} for split in ("validation", "test")], runs_dir, "untrained model", jobs)
-    sweep = run_all([{**base, "method": m, "overrides": METHODS[m], "seed": s, "learning_rate": lr, "split": "validation",
-                      "held_out": paths["validation"]}
-                     for s in validation_seeds for lr in rates for m in args.methods], runs_dir, "rate sweep (validation)", jobs)
-    best = choose_rates(sweep, args.methods, rates)
-    test = run_all([{**base, "method": m, "overrides": METHODS[m], "seed": s, "learning_rate": best[m], "split": "test",
-                     "held_out": paths["test"]}
-                    for s in test_seeds for m in args.methods], runs_dir, "test seeds", jobs)
-    methods = list(args.methods)
-    if "oblrpo" in best:
-        realised = statistics.fmean(f for r in test if r["method"] == "oblrpo"
-                                    for f in r["traces"]["snr/lr_factor"] if not math.isnan(f))
-        test += run_all([{**base, "method": CONTROL, "overrides": METHODS["oblrpo-no-snr"], "seed": s,
-                          "learning_rate": best["oblrpo"] * realised, "split": "test",
-                          "held_out": paths["test"]} for s in test_seeds], runs_dir, "constant-rate control", jobs)
-        methods.append(CONTROL)
-
-    from oblr_trl.estimators.step_rate import RateRuleTuning
-
-    skip = config["warmup_steps"] + RateRuleTuning().resolved_snr_calibration_steps
-    summary = summarise(sweep, test, methods, rates, best, skip)
-    figure = plot(test, methods, output_dir, "summary")
-    start = {r["split"]: r["accuracy"] for r in initial}
-    markdown = (
-        f"# Learning benchmark ({args.preset} preset)\n\n![curves]({figure.name})\n\n"
-        f"`{model}` on a ± b, operands 0…{preset['max_operand']}: {eval_problems} test and {eval_problems} validation "
-        f"problems, disjoint from each other and from the training problems; untrained accuracy {start['test']:.3f} "
-        f"(test), {start['validation']:.3f} (validation). {steps} optimizer steps of "
-        f"{config['per_device_train_batch_size'] * config['gradient_accumulation_steps']} completions (groups of "
-        f"{config['num_generations']}, ≤ {config['max_completion_length']} tokens), `{config['loss_type']}` loss, β = "
-        f"{config['beta']}, AdamW, max_grad_norm {config['max_grad_norm']}, {config['lr_scheduler_type']} with "
-        f"{config['warmup_steps']} warm-up steps. Rates {rates} swept on validation seeds {validation_seeds}; test seeds "
-        f"{test_seeds}, paired; `{CONTROL}`: OBLR-PO's baseline at the default's realised mean effective rate. "
-        f"Intervals: 95 % t-interval over seeds; differences paired with `grpo`, 95 % t-interval over paired seeds. "
-        f"Level: the final accuracy's paired difference lies inside ±{EQUIVALENCE_MARGIN:g}, the equivalence margin; "
-        "otherwise not shown level. "
-        f"The SNR factor after calibration counts steps > {skip} (warm-up + calibration window).\n\n"
-        + markdown_table(
-            ["method", "best lr", "mean training reward", "mean training reward − grpo [95 % CI]", "final acc.",
-             "[95 % CI]", "final − grpo [95 % CI] · level",
-             "mean f factor", "after calibration", "clipped steps", "min / run"],
-            [[m, s["best_lr"], s["auc_mean"], f"{s['auc_diff_vs_grpo']:+.4f} {ci(s['auc_diff_vs_grpo_ci'])}" if "auc_diff_vs_grpo" in s else "—",
-              s["final_acc_mean"], ci(s["final_acc_ci"]),
-              f"{s['final_acc_diff_vs_grpo']:+.3f} {ci(s['final_acc_diff_vs_grpo_ci'])} · "
-              f"{equivalence(s['final_acc_diff_vs_grpo_ci'])}" if "final_acc_diff_vs_grpo" in s else "—",
-              s["mean_lr_factor"], s["mean_lr_factor_after_calibration"], s["clipped_fraction"], s["minutes_per_run"]]
-             for m, s in summary.items()],
-        )
-        + "\n\n### Rate sweep (validation accuracy / mean training reward)\n\n"
-        + markdown_table(["method", *[f"{lr:.3g}" for lr in rates]],
-                         [[m, *[f"{s['sweep'][f'{lr:.3g}']['validation_acc']:.3f} / {s['sweep'][f'{lr:.3g}']['validation_auc']:.3f}"
-                                for lr in rates]] for m, s in summary.items() if "sweep" in s])
-    )
-    write_results(output_dir, "summary", {"arguments": vars(args), "preset": preset, "initial_accuracy": start,
-                                          "methods": summary, "runs": {"sweep": sweep, "test": test}}, markdown)
-    print(markdown)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

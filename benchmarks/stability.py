@@ -2,9 +2,9 @@
 
 OBLR-PO's title claim is *stable* RL: the SNR-driven rate "contracts when noise dominates". Users rarely tune the
 rate of an RL run, so the question is what each method does over a grid of configured rates, against what GRPO users
-really run: TRL's defaults, whose scheduler decays the rate linearly to 0 with no warm-up. On SmolLM2 the grid is
-symmetric around GRPO's best rate (best/10 … 10× best), so that a rule which only shrinks the rate loses at the low end
-what it saves at the high end; the synthetic grid goes from the best rate up to 30× it.
+really run: TRL's defaults, whose scheduler decays the rate linearly to 0 with no warm-up. The grid is symmetric
+around GRPO's best rate (best/10 … 10× best), so that a rule which only shrinks the rate loses at the low end what it
+saves at the high end.
 
 Per cell (method × configured rate), over paired seeds (same initialisation, prompts and order for every method):
 final held-out accuracy with a 95 % t-interval over seeds, the mean training reward, the fraction of seeds that
@@ -22,11 +22,10 @@ its method, rate, seed, problems, study, steps and config changes; a part resume
 settled method (the trust region's cap and target forms and its curvature per unit rate: `SETTLED_METHODS`) is
 refused before anything runs, naming the commit that runs it; its committed runs stay in the summaries. The grids of
 a + b, a ± b and a × b name settled methods, so they run with ``--methods`` naming the others. Settled studies (the
-transfers of δ to a second task, the longer SNR runs, the configuration that let the calibration resolve) left the
-code; each folder's ``settled.md`` reports them and names the commit that runs them.
+transfers of δ to a second task, the longer SNR runs, the configuration that let the calibration resolve, the
+synthetic testbed's grid, the SNR factor at 8 prompts a step) left the code; each folder's ``settled.md``, or its
+summary, reports them and names the commit that runs them.
 
-* ``synthetic`` — the testbed of `synthetic_learning.py` (exact gradients, 100 paired seeds, the trainer's own pure
-  functions), every method under both schedules (`constant`, and TRL's `linear`), rates 0.1 (GRPO's best) … 3.
 * ``smollm2`` — SmolLM2-135M-Instruct on a problem set's grid (``--problems``: a + b by default, whose grid decides;
   a ± b, a × b, a + b answered step by step), GRPO against the defaults, the defaults without the trust region, the
   paper-literal factor and the trust region's forms (settled); where a method sets only the defaults, `oblrpo` is not
@@ -36,15 +35,11 @@ code; each folder's ``settled.md`` reports them and names the commit that runs t
   under the grid's name, so a grid run of an arm at one of these rates is one of its runs.
 * ``reproduce`` — committed cells run again on seed 0 at GRPO's best rate, each compared step for step with its
   committed record (in ``runs/reproduce/``).
-* ``snr-batch`` — the shipped SNR factor and none at 8 prompts a step (32 completions) on a + b, at GRPO's best rate
-  and TRL's 1e-6, 5 paired test seeds, in `results/stability-snr-8prompts/`.
 * ``delta`` — the per-step KL of the defaults without a trust region at the best rate on validation seeds and the
   validation split, from which δ is chosen.
 * ``validation`` — any ``--methods`` on validation seeds (10, 11) and the validation split: where the rule's
   constants, and a new problem set's best rate (its ``rate_screen``), are chosen.
 
-    python -m benchmarks.stability --part synthetic      # the runnable methods' cells of 100 seeds, beside the
-                                                         # settled ones' (48 cells: 33 min on 2 busy cores)
     python -m benchmarks.stability --part smollm2 --methods grpo oblrpo   # a + b: 25 runs a method (7–15 min
                                                                           # each), 2 at a time
     python -m benchmarks.stability --part delta          # 2 validation runs that choose δ
@@ -53,20 +48,16 @@ code; each folder's ``settled.md`` reports them and names the commit that runs t
     python -m benchmarks.stability --part attribution    # the four arms at 1e-6, GRPO's best and 10× it (60 runs)
     python -m benchmarks.stability --part reproduce      # 3 committed cells run again, compared step for step
     python -m benchmarks.stability --part validation --methods M   # M on validation seeds 10, 11 (choosing)
-    python -m benchmarks.stability --part snr-batch      # 20 runs of 32 completions × 40 steps (untimed: each
-                                                         # does 4× a grid run's completions)
     python -m benchmarks.stability --part smollm2 --problems a±b --methods M   # the a ± b grid (stability-a-pm-b/)
     python -m benchmarks.stability --part smollm2 --problems a×b --methods M   # the products' (stability-products/)
     python -m benchmarks.stability --part validation --problems a+b-reasoned --methods grpo   # long answers: GRPO's
                                                                  # rate screen (results/stability-long/)
     python -m benchmarks.stability --part summary --problems a±b   # rewrite a folder's summary from its runs
-    python -m benchmarks.stability --part summary --output_dir benchmarks/results/stability-snr-8prompts
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 from collections.abc import Iterable, Mapping
@@ -74,12 +65,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks import learning
-from benchmarks import synthetic_learning as synthetic
 from benchmarks.common import RESULTS, parse_overrides
 from benchmarks.stability_measures import grid_methods
 from benchmarks.stability_registry import (
-    CPU, PROBLEM_SETS, SETTLED_METHODS, SETTLED_SYNTHETIC_METHODS, SMOLLM2_METHODS, STUDIES, SYNTHETIC_METHODS,
-    SYNTHETIC_RATES, ProblemSet, Settled, Study, results_folder,
+    CPU, PROBLEM_SETS, SETTLED_METHODS, SMOLLM2_METHODS, STUDIES, ProblemSet, Settled, Study,
 )
 from benchmarks.stability_summary import write_summary
 
@@ -89,14 +78,13 @@ JOBS = 2  # runs at a time on the 2 CPU cores the grids were measured on
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", choices=["synthetic", *STUDIES, "summary"], default="summary",
+    parser.add_argument("--part", choices=[*STUDIES, "summary"], default="summary",
                         help="; ".join(f"{part}: {study.description}" for part, study in STUDIES.items()))
     parser.add_argument("--methods", nargs="+", default=None,
-                        help="methods of the part (default: all of the synthetic ones; on SmolLM2 the part's, for a "
-                        "grid GRPO, the defaults, the paper-literal factor and the trust region's forms, settled)")
+                        help="methods of the part (default: the part's; for a grid GRPO, the defaults, the "
+                        "paper-literal factor and the trust region's forms, settled)")
     parser.add_argument("--rates", type=float, nargs="+", default=None, help="the grid (default: the part's)")
-    parser.add_argument("--seeds", type=int, nargs="+", default=None, help="SmolLM2 seeds (default: the part's)")
-    parser.add_argument("--test_seeds", type=int, default=100, help="synthetic: paired seeds")
+    parser.add_argument("--seeds", type=int, nargs="+", default=None, help="seeds (default: the part's)")
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default: the part's)")
     parser.add_argument("--model", default="builtin:smollm2-135m-instruct")
     parser.add_argument("--problems", choices=list(PROBLEM_SETS), default="a+b",
@@ -105,19 +93,19 @@ def parse_args(argv=None):
                         help="problems in each of test and validation (default: the problems')")
     parser.add_argument("--jobs", type=int, default=JOBS)
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
-                        help="override a config field of every SmolLM2 run, e.g. --set use_cpu=false on a GPU (give "
+                        help="override a config field of every run, e.g. --set use_cpu=false on a GPU (give "
                         "such runs their own --output_dir: cells pair runs of one machine only)")
     parser.add_argument("--output_dir", default=None,
-                        help="default: the part's folder under benchmarks/results (its problems': a + b stability/, "
-                        "a ± b stability-a-pm-b/; snr-batch stability-snr-8prompts/)")
+                        help="default: the problems' folder under benchmarks/results (a + b stability/, a ± b "
+                        "stability-a-pm-b/, …)")
     args = parser.parse_args(argv)
     problems = PROBLEM_SETS[args.problems]
     study = STUDIES.get(args.part)
-    if study is not None and not args.rates and not study.rates(study.problems or problems):
+    if study is not None and not args.rates and not study.rates(problems):
         parser.error(f"--part {args.part} has no rates on --problems {args.problems} (a grid needs GRPO's best rate "
                      "screened first: --part validation --methods grpo); give --rates")
     if args.output_dir is None:
-        args.output_dir = str(RESULTS / results_folder(args.part, args.problems))
+        args.output_dir = str(RESULTS / problems.folder)
     return args
 
 
@@ -128,54 +116,6 @@ def refuse_settled(names: Iterable[str], settled: Mapping[str, Settled]) -> None
         raise SystemExit(f"{', '.join(m.name for m in found)}: settled, their runs committed and reported; HEAD no "
                          f"longer runs them, commit {', '.join(sorted({m.commit for m in found}))} does (give "
                          "--methods without them to run the others)")
-
-
-# --- synthetic part --------------------------------------------------------------------------------------------------
-def run_synthetic(args) -> dict:
-    names = args.methods or list(SYNTHETIC_METHODS)
-    refuse_settled(names, SETTLED_SYNTHETIC_METHODS)
-    import torch
-    from tqdm.auto import tqdm
-
-    torch.set_num_threads(2)
-    task = synthetic.Task(steps=args.steps or synthetic.Task.steps)
-    teacher, held_out, held_out_targets = synthetic.problem(task)
-    seeds = list(range(1000, 1000 + args.test_seeds))
-    rates = args.rates or list(SYNTHETIC_RATES)
-    cells, curves = {}, {}
-    variants = [(name, schedule) for name in names for schedule in ("linear", "constant")]
-    with tqdm(total=len(variants) * len(rates), desc="synthetic grid (method × schedule × rate)") as bar:
-        for name, schedule in variants:
-            label = name if schedule == "linear" else f"{name}-constant"
-            cells[label], curves[label] = {}, {}
-            for rate in rates:
-                result = synthetic.run(SYNTHETIC_METHODS[name], torch.full((len(seeds),), rate), seeds, task, teacher,
-                                       held_out, held_out_targets, schedule=schedule)
-                factor = result["factor_trace"]
-                cells[label][rate] = [
-                    {"seed": seed, "final": float(result["final"][i]), "auc": float(result["auc"][i]),
-                     "initial": float(result["curve"][i, 0]), "factor_min": float(factor[i].min()),
-                     "factor_max": float(factor[i].max())}
-                    for i, seed in enumerate(seeds)
-                ]
-                curves[label][f"{rate:.3g}"] = {"held_out": result["curve"].mean(0).tolist(),
-                                                "factor": factor.mean(0).tolist()}
-                bar.update()
-    return {"task": task.__dict__, "seeds": seeds, "rates": rates, "cells": cells, "curves": curves,
-            "descriptions": {name: SYNTHETIC_METHODS[name].description for name in names}}
-
-
-def write_synthetic_cells(args) -> None:
-    """The synthetic grid's cells, merged into those run earlier on the same task, seeds and rates."""
-    data = run_synthetic(args)
-    path = Path(args.output_dir) / "synthetic_cells.json"
-    if path.exists():
-        earlier = json.loads(path.read_text())
-        if all(earlier[key] == data[key] for key in ("task", "seeds", "rates")):
-            for key in ("cells", "curves", "descriptions"):
-                data[key] = {**earlier[key], **data[key]}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data))
 
 
 # --- SmolLM2 parts ---------------------------------------------------------------------------------------------------
@@ -193,9 +133,9 @@ class Plan:
 
 
 def plan(study: Study, args) -> Plan:
-    """The study on ``--problems`` (or its own problem set), narrowed by the options; a settled method among its
-    methods stops it (`refuse_settled`)."""
-    problems = study.problems or PROBLEM_SETS[args.problems]
+    """The study on ``--problems``, narrowed by the options; a settled method among its methods stops it
+    (`refuse_settled`)."""
+    problems = PROBLEM_SETS[args.problems]
     folder = Path(args.output_dir) / "runs" / study.folder
     methods = args.methods or study.methods or problems.methods
     refuse_settled(methods, SETTLED_METHODS)
@@ -205,7 +145,7 @@ def plan(study: Study, args) -> Plan:
 
 
 def smollm2_specs(args, plan: Plan) -> tuple[list[dict], dict]:
-    """Each run of ``plan`` as a `learning.py` child's spec, seed-major (an interrupted grid has whole seeds for every
+    """Each run of ``plan`` as a `learning.run_child` spec, seed-major (an interrupted grid has whole seeds for every
     cell), and the untrained model's spec."""
     problems, study = plan.problems, plan.study
     splits = learning.problem_splits(problems.max_operand, args.eval_problems or problems.eval_problems,
@@ -233,7 +173,7 @@ def smollm2_specs(args, plan: Plan) -> tuple[list[dict], dict]:
 
 
 def run_study(study: Study, args) -> None:
-    """The study's runs that its folder does not hold yet, each a `learning.py --child`, with the untrained model's
+    """The study's runs that its folder does not hold yet, each a `learning.run_child`, with the untrained model's
     evaluation beside them; a study in a folder of its own shares the problem set's, in runs/."""
     planned = plan(study, args)
     specs, initial = smollm2_specs(args, planned)
@@ -242,9 +182,7 @@ def run_study(study: Study, args) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.part == "synthetic":
-        write_synthetic_cells(args)
-    elif args.part in STUDIES:
+    if args.part in STUDIES:
         run_study(STUDIES[args.part], args)
     write_summary(Path(args.output_dir), PROBLEM_SETS[args.problems])
     return 0

@@ -60,32 +60,6 @@ def cells_row(title: str, summary: dict, rates: list[float]) -> Row:
     return draw
 
 
-def compared_row(runs: list[dict], mine: str, theirs: str) -> Row:
-    """A compared study's pair: the factor ``mine`` applied at each step, a line per seed and rate, and the training
-    reward per step of both arms, the mean over the seeds of a rate."""
-    rates = sorted({r["learning_rate"] for r in runs})
-
-    def draw(factor_axis, reward_axis) -> None:
-        for r in sorted((r for r in runs if r["method"] == mine), key=lambda r: (r["learning_rate"], r["seed"])):
-            factors = [1.0 if math.isnan(f) else f for f in r["traces"]["snr/lr_factor"]]  # NaN: not resolved yet
-            factor_axis.plot(range(1, len(factors) + 1), factors, color=f"C{rates.index(r['learning_rate'])}",
-                             linestyle=SEED_STYLES[r["seed"] % len(SEED_STYLES)],
-                             alpha=0.8, label=f"lr {r['learning_rate']:g}, seed {r['seed']}")
-        for index, rate in enumerate(rates):
-            for method, style in ((mine, "-"), (theirs, "--")):
-                rewards = [r["reward"] for r in runs if r["method"] == method and r["learning_rate"] == rate]
-                if rewards:
-                    reward_axis.plot(range(1, len(rewards[0]) + 1), [sum(step) / len(step) for step in zip(*rewards)],
-                                     color=f"C{index}", linestyle=style,
-                                     label=f"{method}, lr {rate:g} ({len(rewards)} seeds)")
-        factor_axis.set(xlabel="optimizer step", ylabel="SNR factor applied (1 until resolved)",
-                        title=f"{mine}: where the SNR factor acted")
-        reward_axis.set(xlabel="optimizer step", ylabel="mean training reward over the seeds",
-                        title=f"{mine} (solid) against {theirs} (dashed)")
-        grid_and_legend(factor_axis, reward_axis)
-    return draw
-
-
 def screen_row(runs: list[dict]) -> Row:
     """GRPO's final validation accuracy per screened rate, and each run's mean sampled length per step."""
     def draw(accuracy_axis, length_axis) -> None:

@@ -1,6 +1,6 @@
 """The stability summary's numbers, as pure functions of run records (`stability_summary.py` lays them out).
 
-A run record is the JSON `learning.py --child` writes: ``method``, ``seed``, ``learning_rate``, ``accuracy``,
+A run record is the JSON `learning.run_child` returns: ``method``, ``seed``, ``learning_rate``, ``accuracy``,
 ``reward`` (per step), ``traces`` (per step) and the study's ``study``, ``steps`` and ``config_changes``. A cell run
 (``cells[method][rate]``) is ``{"seed", "final", "auc", "initial", "factor_min", "factor_max"}``.
 """
@@ -292,48 +292,6 @@ def defaults_twin(problems: ProblemSet) -> str | None:
                  and method.schedule == TRL_SCHEDULE
                  and all(shipped(key) == value for key, value in method.config_overrides(problems).items())),
                 None)
-
-
-# --- the SNR factor on and off ---------------------------------------------------------------------------------------
-def snr_factor_acting_fraction(runs: list[dict]) -> float | None:
-    """Of the runs' steps that logged an SNR factor, the share whose factor moved the rate by more than 1 %."""
-    factors = [f for r in runs for f in r["traces"]["snr/lr_factor"] if isinstance(f, float) and math.isfinite(f)]
-    return sum(abs(f - 1.0) > 0.01 for f in factors) / len(factors) if factors else None
-
-
-def runs_by_seed(runs: list[dict], method: str, rate: float) -> dict[int, dict]:
-    return {r["seed"]: r for r in runs if r["method"] == method and r["learning_rate"] == rate}
-
-
-def with_and_without(mine: dict[int, dict], without: dict[int, dict]) -> dict | None:
-    """A method with the SNR factor against one without, paired by seed: the difference of final accuracy (mean,
-    interval, seeds), both arms' mean final, the arm's steps and the share of them its factor moved; None where the
-    two share no seed."""
-    difference = paired_difference({s: r["accuracy"] for s, r in mine.items()},
-                                   {s: r["accuracy"] for s, r in without.items()})
-    if difference is None:
-        return None
-    seeds = difference["seeds"]
-    return {"steps": len(mine[seeds[0]]["traces"]["snr/lr_factor"]), "difference_mean": difference["mean"],
-            "difference_ci": difference["ci"], "seeds": seeds,
-            "with_final_mean": statistics.fmean(mine[s]["accuracy"] for s in seeds),
-            "without_final_mean": statistics.fmean(without[s]["accuracy"] for s in seeds),
-            "acting_fraction": snr_factor_acting_fraction([mine[s] for s in seeds])}
-
-
-def paired_by_rate(runs: list[dict], mine: str, theirs: str) -> dict:
-    """Per rate both methods ran: ``mine`` minus ``theirs``, paired by seed, in final accuracy (`with_and_without`) and
-    in AUC (the mean training reward: ``auc_difference_mean``, ``auc_difference_ci``)."""
-    by_rate = {}
-    for rate in sorted({r["learning_rate"] for r in runs}):
-        arm, without = runs_by_seed(runs, mine, rate), runs_by_seed(runs, theirs, rate)
-        entry = with_and_without(arm, without)
-        if entry is None:
-            continue
-        auc = paired_difference({s: learning.auc(r) for s, r in arm.items()},
-                                {s: learning.auc(r) for s, r in without.items()})
-        by_rate[f"{rate:g}"] = {**entry, "auc_difference_mean": auc["mean"], "auc_difference_ci": auc["ci"]}
-    return by_rate
 
 
 # --- δ ---------------------------------------------------------------------------------------------------------------

@@ -1,11 +1,10 @@
-"""The stability benchmark's records, each declared once and read-only: the methods it runs (on SmolLM2 and on the
-synthetic testbed), the problem sets it runs them on, and the studies (`stability.py --part …`) that choose a problem
-set's methods, rates, seeds, steps and config. `stability.py` runs them, `stability_summary.py` reports them. A
-method whose runs are committed and which HEAD no longer runs is `Settled`, naming the commit that runs it.
+"""The stability benchmark's records, each declared once and read-only: the SmolLM2 methods it runs, the problem
+sets it runs them on, and the studies (`stability.py --part …`) that choose a problem set's methods, rates, seeds,
+steps and config. `stability.py` runs them, `stability_summary.py` reports them. A method whose runs are committed and
+which HEAD no longer runs is `Settled`, naming the commit that runs it.
 
 A new task is one `ProblemSet` in `PROBLEM_SETS` (its own results folder, its grid, its δ); a new set of runs one
-`Study` in `STUDIES` (its part, seeds, steps and config changes, recorded on every run it makes); with ``compare``
-set, the summary reports the pair's paired difference per rate without code of its own.
+`Study` in `STUDIES` (its part, seeds, steps and config changes, recorded on every run it makes).
 """
 
 from __future__ import annotations
@@ -17,13 +16,12 @@ from types import MappingProxyType
 from typing import Any, Literal
 
 from benchmarks import learning
-from benchmarks import synthetic_learning as synthetic
 from oblr_trl.tasks import BOXED_INSTRUCTION
 
 REFERENCE = "grpo"
 NOTHING: Mapping[str, Any] = MappingProxyType({})
 TRL_SCHEDULE: Mapping[str, Any] = MappingProxyType({"lr_scheduler_type": "linear", "warmup_steps": 0})  # GRPOConfig's
-CPU = learning.PRESETS["cpu"]
+CPU = learning.CPU
 
 
 def frozen(mapping: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
@@ -83,7 +81,6 @@ DEFAULTS_TRUST_REGION = trust_region(16, PEAK_DELTA)
 # the SNR factor calibrated to act on more of a 40-step run: the default 20-step window rarely resolves with 2 prompts
 # a step, and its ratio floor of 1 ignores the SNR falling through training
 SNR_CALIBRATED = {**DEFAULTS_TRUST_REGION, "snr_lr_min_ratio": 0.5, "snr_calibration_steps": 5}
-SNR_ABLATION_WITHOUT = "oblrpo-defaults-no-snr"
 # GRPO's advantage from OBLR-PO's pieces: the whole group's mean with TRL's std scaling, no SNR factor; without a trust
 # region TRL's GRPO step for step (docs/rate_rule.md, "Turning it off, and GRPO with the trust region")
 GRPO_AS_OBLRPO = {"baseline_weights": "uniform", "baseline_estimator": "weighted", "leave_one_out": False,
@@ -107,7 +104,7 @@ SMOLLM2_METHODS: Mapping[str, Method] = by_name((
            "the defaults without the trust region, measuring every step's KL: the runs δ is read off"),
     Method(PEAK_DELTA_METHOD, DEFAULTS_TRUST_REGION,
            f"the peak form per unit of Adam's update at δ = {PEAK_DELTA:g}: the shipped defaults"),
-    Method(SNR_ABLATION_WITHOUT, {**DEFAULTS_TRUST_REGION, "use_snr_lr": False},
+    Method("oblrpo-defaults-no-snr", {**DEFAULTS_TRUST_REGION, "use_snr_lr": False},
            "the defaults without the SNR factor"),
     Method("oblrpo-defaults-snr-two-sided-cal5", SNR_CALIBRATED,
            "the defaults with the SNR factor calibrated over 5 steps, its ratio in [0.5, 2]"),
@@ -238,30 +235,6 @@ def problems_titled(title: str) -> ProblemSet:
     return next(p for p in PROBLEM_SETS.values() if p.title == title)
 
 
-# --- synthetic testbed -----------------------------------------------------------------------------------------------
-# the testbed's `oblrpo`, the defaults before the trust region, as this grid ran them; the arms below vary the rule
-DEFAULT = synthetic.METHODS["oblrpo"]
-SYNTHETIC_METHODS: Mapping[str, synthetic.Method] = MappingProxyType({
-    "grpo": synthetic.METHODS["grpo"],
-    "oblrpo": DEFAULT,
-    "oblrpo-unscaled": synthetic.METHODS["oblrpo-unscaled"],
-    "oblrpo-no-snr": replace(DEFAULT, rate=synthetic.CONSTANT_RATE,
-                             description="OBLR-PO's baseline (group std scaling), no SNR factor"),
-    "oblrpo-two-sided": replace(DEFAULT, rate=synthetic.calibrated_snr_rate(0.5, 2.0),
-                                description="calibrated factor, ratio in [0.5, 2]"),
-    "oblrpo-contract": replace(DEFAULT, rate=synthetic.calibrated_snr_rate(0.25, 1.0),
-                               description="calibrated factor, ratio in [0.25, 1]: never raises the rate"),
-    "oblrpo-absolute": replace(DEFAULT, rate={"lr_trust_region_kl": None, "snr_lr_reference": "absolute"},
-                               description="the paper-literal factor (the rate is η_max)"),
-})
-# a + b's δ, unchanged, on the testbed: what the trust region costs where the rate is right
-SETTLED_SYNTHETIC_METHODS: Mapping[str, Settled] = by_name(
-    Settled(f"oblrpo-trust-{form}", f"the defaults with the trust region of the step, {form} form, every step "
-            f"measured, the curvature per unit rate, δ = {A_PLUS_B.trust_region_kl:g} (a + b's)")
-    for form in ("cap", "target"))
-SYNTHETIC_RATES = (0.1, 0.3, 1.0, 3.0)  # GRPO's best rate on the testbed up to 30× it
-
-
 # --- studies ---------------------------------------------------------------------------------------------------------
 def grid_rates(problems: ProblemSet) -> tuple[float, ...]:
     return problems.grid or ()
@@ -295,12 +268,9 @@ class Study:
     rates: Callable[[ProblemSet], tuple[float, ...]]
     methods: tuple[str, ...] | None = None  # None: the problem set's grid's
     split: Literal["test", "validation"] = "test"
-    problems: ProblemSet | None = None  # its own problem set (None: ``--problems``')
     config: Mapping[str, Any] = field(default_factory=lambda: NOTHING)  # config fields beyond the problem set's
     folder: str = ""  # its records' folder under runs/: its own where its runs share a method, rate and seed with
     # another study's (the record's file name says only those)
-    results: str | None = None  # a results folder of its own (None: its problem set's)
-    compare: tuple[str, str] | None = None  # (with, without): the summary reports their paired difference per rate
 
     def __post_init__(self):
         object.__setattr__(self, "config", frozen(self.config))
@@ -330,23 +300,7 @@ STUDIES: Mapping[str, Study] = by_name((
     # that reproduces its committed record step for step shows its cell is today's code
     Study("reproduce", "grid", "committed cells run again on seed 0 at GRPO's best rate", seeds=(0,), steps=40,
           rates=best_rate, methods=(REFERENCE, PEAK_DELTA_METHOD, "oblrpo-no-trust"), folder="reproduce"),
-    # the SNR factor as it ships (raise-only) against none at 8 prompts a step (32 completions), where the synthetic
-    # testbed saw it act on 2–5 % of the steps. 40 steps: the default calibration window opens after 5 estimates and
-    # holds 20, so it resolves at step 26 at the earliest and the factor acts from step 27 (20 steps would leave it
-    # nothing to do); 320 prompts a run, 4× the grid's
-    Study("snr-batch", "snr-batch", "the SNR factor at 8 prompts a step on SmolLM2, with and without",
-          seeds=(0, 1, 2, 3, 4), steps=40, rates=lambda problems: (problems.best_rate, 1e-6),
-          methods=("oblrpo", SNR_ABLATION_WITHOUT), problems=A_PLUS_B,
-          config={"per_device_train_batch_size": 32, "num_generations": 4, "gradient_accumulation_steps": 1},
-          results="stability-snr-8prompts", compare=("oblrpo", SNR_ABLATION_WITHOUT)),
 ), name=lambda study: study.part)
 GRID = STUDIES["smollm2"]
 REPRODUCE = STUDIES["reproduce"]
 
-
-def results_folder(part: str, problems: str) -> str:
-    """The results folder a part writes to by default: its study's own, else its problem set's."""
-    study = STUDIES.get(part)
-    if study is not None and study.results:
-        return study.results
-    return (study.problems if study is not None and study.problems else PROBLEM_SETS[problems]).folder

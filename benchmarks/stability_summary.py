@@ -14,18 +14,15 @@ from functools import cached_property
 from pathlib import Path
 
 from benchmarks import learning
-from benchmarks.common import EQUIVALENCE_MARGIN, RESULTS, equivalence, markdown_table, shipped, write_results
-from benchmarks.stability_figures import (
-    Row, cells_row, compared_row, plot_summary, screen_row,
-)
+from benchmarks.common import EQUIVALENCE_MARGIN, RESULTS, equivalence, markdown_table, write_results
+from benchmarks.stability_figures import Row, cells_row, plot_summary, screen_row
 from benchmarks.stability_measures import (
-    COLLAPSE_MARGIN, code_of_runs, completion_lengths, delta_units, grid_summary,
-    median_completion_length, paired_by_rate, reproduction, screen_by_rate, smollm2_grid, step_kl_spread,
+    COLLAPSE_MARGIN, code_of_runs, completion_lengths, delta_units, median_completion_length, reproduction,
+    screen_by_rate, smollm2_grid, step_kl_spread,
 )
 from benchmarks.stability_registry import (
-    CPU, DEFAULT, DELTA_METHOD, GRID, LONG_COMPLETIONS, PEAK_DELTA, PEAK_DELTA_METHOD, REFERENCE,
-    REPRODUCE, STUDIES, SYNTHETIC_METHODS,
-    ProblemSet, Study, problems_titled,
+    DELTA_METHOD, GRID, LONG_COMPLETIONS, PEAK_DELTA, PEAK_DELTA_METHOD, REFERENCE, REPRODUCE, ProblemSet, Study,
+    problems_titled,
 )
 
 # --- the folder's records --------------------------------------------------------------------------------------------
@@ -80,10 +77,9 @@ class Folder:
             self.elsewhere[folder] = cached_runs(self.output_dir / "runs" / folder)
         return self.elsewhere[folder]
 
-    def runs_of(self, study: Study, folder: str | None = None) -> list[dict]:
-        """The study's test runs, from its folder (or ``folder``) under runs/."""
-        return [r for r in self.tests_in(study.folder if folder is None else folder)
-                if r["method"] != "initial" and r["study"] == study.name]
+    def runs_of(self, study: Study) -> list[dict]:
+        """The study's test runs, from its folder under runs/."""
+        return [r for r in self.tests_in(study.folder) if r["method"] != "initial" and r["study"] == study.name]
 
     @cached_property
     def initial(self) -> dict | None:
@@ -303,39 +299,6 @@ def rate_screen_section(folder: Folder) -> Section | None:
     return Section(lines, {"rate_screen": results}, [screen_row(screen)])
 
 
-def compared_studies_section(folder: Folder) -> Section | None:
-    """Per study that names a pair to compare (``compare``: with, without), per rate: the paired difference of final
-    test accuracy (level or not: `equivalence`) and of the mean training reward (AUC) with 95 % t-intervals over
-    paired seeds, and the share of the first arm's steps whose SNR factor moved the rate (`paired_by_rate`); and a row
-    of ``summary.png`` per study (`compared_row`)."""
-    results, lines, rows = {}, [], []
-    for study in STUDIES.values():
-        runs = folder.runs_of(study) if study.compare else []
-        by_rate = paired_by_rate(runs, *study.compare) if runs else {}
-        if not by_rate:
-            continue
-        mine, theirs = study.compare
-        config = {**CPU["config"], **folder.problems.config, **runs[0]["config_changes"]}
-        completions = config["per_device_train_batch_size"] * config["gradient_accumulation_steps"]
-        rows.append(compared_row(runs, mine, theirs))
-        results[study.name] = {"with": mine, "without": theirs, "steps": runs[0]["steps"],
-                               "config_changes": runs[0]["config_changes"], "by_rate": by_rate}
-        lines += [f"## {study.description[0].upper()}{study.description[1:]} (`{mine}` − `{theirs}`; "
-                  f"{runs[0]['problems']}, {runs[0]['steps']} steps of {completions} completions, "
-                  f"{completions // config['num_generations']} prompts a step; paired test seeds)\n",
-                  "Acted: the share of the first arm's steps whose rate the SNR factor moved by more than 1 %. "
-                  f"Intervals: 95 % t-interval over paired seeds. {LEVEL}\n",
-                  markdown_table(["lr", "seeds", "final with", "final without", "final: difference [95 % CI]",
-                                  "level", "mean training reward: difference [95 % CI]", "acted"],
-                                 [[rate, len(c["seeds"]), f"{c['with_final_mean']:.3f}",
-                                   f"{c['without_final_mean']:.3f}",
-                                   interval(c["difference_mean"], c["difference_ci"]), equivalence(c["difference_ci"]),
-                                   interval(c["auc_difference_mean"], c["auc_difference_ci"]),
-                                   fraction(c["acting_fraction"])]
-                                  for rate, c in by_rate.items()]), ""]
-    return Section(lines, {"compared": results}, rows) if results else None
-
-
 # --- δ and the trust region's runs -----------------------------------------------------------------------------------
 def delta_units_lines(units: dict, source: ProblemSet, source_length: float) -> list[str]:
     rows = []
@@ -407,37 +370,6 @@ def delta_section(folder: Folder) -> Section | None:
         {"trust_region_delta": results})
 
 
-# --- the synthetic testbed -------------------------------------------------------------------------------------------
-def synthetic_defaults_line() -> str:
-    """Which testbed method of this grid runs OBLR-PO's rate rule as it ships, where `oblrpo` there does not (the
-    testbed's `oblrpo` is the defaults before the trust region became one: its cells were measured then and kept
-    under that name)."""
-    if DEFAULT.runs_shipped_rate:
-        return ""
-    twin = next((name for name, m in SYNTHETIC_METHODS.items() if m.runs_shipped_rate), None)
-    return (f"Here `oblrpo` is OBLR-PO's defaults without the trust region (before 2026-11-26); today's defaults "
-            f"(δ = {shipped('lr_trust_region_kl'):g}, peak) are "
-            + (f"`{twin}`" if twin else "none of this grid's methods (the testbed's `defaults` arm runs them: "
-               "`synthetic_learning.py`)") + ".\n")
-
-
-def synthetic_section(folder: Folder) -> Section | None:
-    """The synthetic testbed's grid (`synthetic_cells.json`, `--part synthetic`), as the SmolLM2 grid's."""
-    path = folder.output_dir / "synthetic_cells.json"
-    if not path.exists():
-        return None
-    data = json.loads(path.read_text())
-    cells = {m: {float(rate): runs for rate, runs in by_rate.items()} for m, by_rate in data["cells"].items()}
-    summary = grid_summary(cells)
-    return Section(
-        [f"## Synthetic testbed ({len(data['seeds'])} paired seeds, {data['task']['steps']} steps; methods without a "
-         "suffix use TRL's linear schedule, `-constant` a constant rate)\n",
-         synthetic_defaults_line(), f"{LEVEL}\n", cell_table(summary, data["rates"]), ""],
-        {"synthetic": {**summary, "task": data["task"], "rates": data["rates"], "seeds": len(data["seeds"]),
-                       "descriptions": data["descriptions"], "curves": data["curves"]}},
-        [cells_row("synthetic testbed", summary, data["rates"])])
-
-
 def reproduce_section(folder: Folder) -> Section | None:
     """The committed cells run again by today's code (`--part reproduce`), each beside its committed record."""
     committed = {(r["method"], r["learning_rate"], r["seed"]): r for r in folder.runs_of(GRID)}
@@ -461,8 +393,7 @@ def reproduce_section(folder: Folder) -> Section | None:
 
 SECTIONS: tuple[Callable[[Folder], Section | None], ...] = (
     grid_section, code_section, pairs_section, pair_regrets_section, rate_rule_section, defaults_range_section,
-    beyond_grid_section, completion_lengths_section, rate_screen_section, compared_studies_section, delta_section,
-    synthetic_section, reproduce_section)
+    beyond_grid_section, completion_lengths_section, rate_screen_section, delta_section, reproduce_section)
 
 
 def write_summary(output_dir: Path, problems: ProblemSet) -> None:
@@ -471,7 +402,7 @@ def write_summary(output_dir: Path, problems: ProblemSet) -> None:
     folder = Folder.read(output_dir, problems)
     sections = [section for section in (write(folder) for write in SECTIONS) if section is not None]
     if not sections:
-        raise SystemExit("nothing has been run yet: run --part synthetic, smollm2 or validation first")
+        raise SystemExit("nothing has been run yet: run --part smollm2 or validation first")
     rows = [row for section in sections for row in section.rows]
     figure = plot_summary(rows, output_dir) if rows else None
     markdown = ["# Stability over the configured learning rate\n", *(["![summary](summary.png)\n"] if figure else []),

@@ -8,7 +8,6 @@ import math
 import os
 import subprocess
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -34,8 +33,7 @@ def run(script, *args):
     return printed.getvalue()
 
 
-@pytest.mark.parametrize("script", ["variance.py", "overhead.py", "learning.py", "synthetic_learning.py",
-                                    "stability.py", "random_model.py"])
+@pytest.mark.parametrize("script", ["variance.py", "overhead.py", "stability.py", "random_model.py"])
 def test_help(script):
     """Each benchmark runs as a module of the `benchmarks` package from the repository's root."""
     done = subprocess.run([sys.executable, "-m", f"benchmarks.{Path(script).stem}", "--help"], capture_output=True,
@@ -144,9 +142,8 @@ def students_t_interval(values: list[float]) -> list[float]:
 
 def test_summaries_give_students_t_interval_over_paired_seeds_not_a_percentile_bootstrap():
     """Three paired differences 0.1, 0, 0.2: mean ± 4.303 · 0.1/√3 = [−0.148, +0.348], wider than any resample of
-    them (a percentile bootstrap stays inside [0, 0.2]); the same in the stability grid's cells, its paired
-    differences and the learning benchmark's."""
-    from benchmarks import learning
+    them (a percentile bootstrap stays inside [0, 0.2]); the same in the stability grid's cells and its paired
+    differences."""
     from benchmarks.stability_measures import grid_summary, paired_difference
 
     expected = students_t_interval([0.1, 0.0, 0.2])
@@ -162,15 +159,6 @@ def test_summaries_give_students_t_interval_over_paired_seeds_not_a_percentile_b
     assert summary["rule"]["by_lr"]["1e-05"]["final_acc_ci"] == pytest.approx(
         students_t_interval([0.9, 0.8, 1.0]), abs=1e-9)
     assert summary["rule"]["at_grpo_best_minus_grpo_ci"] == pytest.approx(expected, abs=1e-9)
-
-    def record(method, seed, accuracy):
-        return {"method": method, "seed": seed, "learning_rate": 1e-5, "accuracy": accuracy, "reward": [accuracy],
-                "seconds": 60.0, "max_grad_norm": 1.0, "traces": {"snr/lr_factor": [1.0], "grad_norm": [0.5]}}
-
-    test = [record("grpo", s, 0.8) for s in range(3)] + [record("oblrpo", s, a) for s, a in enumerate([0.9, 0.8, 1.0])]
-    learned = learning.summarise([], test, ["oblrpo", "grpo"], [], {}, skip=0)["oblrpo"]
-    assert learned["final_acc_diff_vs_grpo_ci"] == pytest.approx(expected, abs=1e-9)
-    assert learned["auc_diff_vs_grpo_ci"] == pytest.approx(expected, abs=1e-9)
 
 
 def test_two_arms_are_called_level_only_inside_the_equivalence_margin():
@@ -332,42 +320,6 @@ def test_overhead_under_fsdp2_on_two_cpu_processes_smoke(saved_tiny_model, tmp_p
     assert {(r["processes"], r["distributed_type"]) for r in results["runs"]} == {(2, "DistributedType.FSDP")}
 
 
-def test_learning_smoke(saved_tiny_model, tmp_path):
-    args = ["--model", str(saved_tiny_model), "--rates", "1e-5", "1e-4", "--validation_seeds", "7", "--test_seeds", "0",
-            "--steps", "2", "--eval_problems", "4", "--set", "max_grad_norm=0.5", "--jobs", "2",
-            "--output_dir", str(tmp_path)]
-    out = run("learning.py", *args)
-    results = json.loads((tmp_path / "summary.json").read_text())
-    methods = results["methods"]
-    assert list(methods) == ["oblrpo", "grpo", "oblrpo-constant"]
-    for name, entry in methods.items():
-        assert {"best_lr", "auc_mean", "auc_ci", "final_acc_mean", "final_acc_ci", "mean_lr_factor", "seeds"} <= set(entry)
-        assert entry["seeds"] == [0] and len(entry["auc_ci"]) == len(entry["final_acc_ci"]) == 2
-    for name in ("oblrpo", "grpo"):  # each at the best rate of its own sweep, on validation seeds only
-        assert methods[name]["best_lr"] in (1e-5, 1e-4) and set(methods[name]["sweep"]) == {"1e-05", "0.0001"}
-    assert methods["oblrpo-constant"]["best_lr"] == pytest.approx(methods["oblrpo"]["best_lr"] * methods["oblrpo"]["mean_lr_factor"])
-    assert "auc_diff_vs_grpo_ci" in methods["oblrpo"] and "auc_diff_vs_grpo" not in methods["grpo"]
-    sweep, test = results["runs"]["sweep"], results["runs"]["test"]
-    assert {r["seed"] for r in sweep} == {7} and {r["seed"] for r in test} == {0}
-    assert all(r["max_grad_norm"] == 0.5 for r in sweep + test)  # --set reached every run
-    for record in sweep + test:  # each run names its code, its resolved config and each held-out problem's outcome
-        assert record["code"]["git_commit"] and record["code"]["trl"] and isinstance(record["code"]["git_dirty"], bool)
-        assert record["config"]["max_grad_norm"] == 0.5 and record["config"]["learning_rate"] == record["learning_rate"]
-        assert len(record["outcomes"]) == 4 and sum(record["outcomes"]) / 4 == pytest.approx(record["accuracy"])
-    held_out = {name: [json.loads(line) for line in (tmp_path / "data" / f"{name}.jsonl").read_text().splitlines()]
-                for name in ("train", "validation", "test")}
-    questions = {name: {row["question"] for row in rows} for name, rows in held_out.items()}
-    assert len(questions["test"]) == len(questions["validation"]) == 4
-    assert not questions["test"] & questions["train"] and not questions["validation"] & questions["train"]
-    assert (tmp_path / "summary.png").exists() and "| oblrpo |" in out
-    assert "[one seed] · not shown level" in out  # one test seed: no interval, so the arms are not shown level
-    runs_before = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "runs").iterdir()}
-    assert len(runs_before) == 2 + 4 + 2 + 1  # untrained ×2 splits, sweep, test, control
-    run("learning.py", *args)  # resumes: every run is kept, none is repeated
-    assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "runs").iterdir()} == runs_before
-
-
-
 def test_variance_noise_to_signal_ignores_the_whole_group_shrinkage():
     """The group mean's estimator is (G-1)/G times RLOO's, group by group: tr Cov and ‖E ĝ‖² both shrink by
     ((G-1)/G)², the noise-to-signal ratio does not; a weighted baseline changes it."""
@@ -397,67 +349,6 @@ def test_variance_noise_to_signal_ignores_the_whole_group_shrinkage():
     # the same signal up to the draws' noise; uncentred, E[b]·ḡ would shift each one differently
     for label in ("length_loo", "weighted", "exact_subset_loo", "shrunk", "rloo_exact_shift"):
         assert result[label][1] == pytest.approx(signal_rloo, rel=0.05)
-
-
-def test_synthetic_learning_smoke(tmp_path):
-    out = run("synthetic_learning.py", "--validation_seeds", "2", "--test_seeds", "3", "--steps", "30", "--lrs", "0.03",
-              "0.1", "--methods", "defaults", "oblrpo", "grpo", "oblrpo-absolute", "--output_dir", str(tmp_path))
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    methods = summary["methods"]
-    assert {"defaults", "oblrpo", "grpo", "oblrpo-absolute", "oblrpo-constant-control"} <= set(methods)
-    assert methods["grpo"]["mean_lr_over_configured"] == pytest.approx(1.0)
-    assert methods["defaults"]["mean_lr_over_configured"] != pytest.approx(1.0)  # the trust region moved the rate
-    for entry in methods.values():
-        assert {"best_lr", "auc_mean", "auc_ci", "final_acc_mean", "final_acc_ci", "mean_lr_factor", "seeds"} <= set(entry)
-        assert entry["auc_ci"][0] <= entry["auc_mean"] <= entry["auc_ci"][1] and entry["seeds"] == 3
-    assert methods["grpo"]["mean_lr_factor"] == 1.0 and methods["oblrpo-absolute"]["mean_lr_factor"] < 1.0
-    assert (tmp_path / "summary.png").exists() and "AUC − grpo" in out
-
-
-def test_synthetic_trust_region_probes_then_sizes_the_step_by_delta(monkeypatch):
-    """The testbed's trust region is the trainer's rule: a probe at min_ratio × the rate, then η = sqrt(δ/ĉ)."""
-    import torch
-
-    from benchmarks import synthetic_learning as synthetic
-
-    task = synthetic.Task(steps=3, eval_every=3)
-    teacher = torch.randn(task.length, task.vocab, task.dim, generator=torch.Generator().manual_seed(0))
-    held_out = torch.randn(8, task.dim, generator=torch.Generator().manual_seed(1))
-    targets = synthetic.teacher_targets(task, held_out, teacher)
-
-    def lrs(delta):
-        method = replace(synthetic.METHODS["grpo"], rate={
-            "use_snr_lr": False, "lr_trust_region_kl": delta, "lr_trust_region_measure_steps": 1})
-        return synthetic.run(method, torch.full((2,), 0.1), [0, 1], task, teacher, held_out, targets)["lr_trace"]
-
-    plain = synthetic.run(synthetic.METHODS["grpo"], torch.full((2,), 0.1), [0, 1], task, teacher, held_out,
-                          targets)["lr_trace"]
-    small, large = lrs(1e-4), lrs(1e-2)
-    assert torch.equal(plain, torch.full((2, 3), 0.1))
-    assert torch.allclose(small[:, 0], torch.full((2,), 1e-3)) and torch.equal(small[:, 0], large[:, 0])
-    # one measurement of the same probe step: η_δ ∝ sqrt(δ), so 100× δ is 10× the rate (both inside [0.001, 1])
-    assert ((small[:, 1] > 1e-3) & (large[:, 1] < 1.0)).all()
-    assert torch.allclose(large[:, 1] / small[:, 1], torch.full((2,), 10.0), rtol=1e-4)
-
-
-def test_the_synthetic_defaults_run_the_rule_that_ships(monkeypatch):
-    """The testbed's `defaults` arm is `OBLRPOOptions()` through the trainer's own rule: the probe at 0.01 × the
-    configured rate, the step after it measured too (the peak form's provisional reading), then sized by δ."""
-    import torch
-
-    from benchmarks import synthetic_learning as synthetic
-
-    assert synthetic.METHODS["defaults"].rate == {} and synthetic.METHODS["defaults"].runs_shipped_rate
-    assert not synthetic.METHODS["oblrpo"].runs_shipped_rate
-    task = synthetic.Task(steps=4, eval_every=4)
-    teacher = torch.randn(task.length, task.vocab, task.dim, generator=torch.Generator().manual_seed(0))
-    held_out = torch.randn(8, task.dim, generator=torch.Generator().manual_seed(1))
-    targets = synthetic.teacher_targets(task, held_out, teacher)
-    lrs = synthetic.run(synthetic.METHODS["defaults"], torch.full((2,), 0.1), [0, 1], task, teacher, held_out,
-                        targets)["lr_trace"]
-    assert torch.allclose(lrs[:, 0], torch.full((2,), 1e-3))  # the probe, SNR factor 1
-    assert ((lrs[:, 1:] >= 1e-3 - 1e-9) & (lrs[:, 1:] <= 1.0 + 1e-6)).all()  # within [0.01, 10] × 0.1
-    assert not torch.allclose(lrs[:, 1], lrs[:, 0]) and not torch.allclose(lrs[:, 2], lrs[:, 1])
 
 
 def test_set_reads_numbers_in_any_notation():
@@ -646,7 +537,7 @@ def test_a_cached_run_of_the_defaults_is_rerun_when_their_trust_region_changes(t
 
 def test_a_cached_run_serves_only_a_spec_whose_identity_it_records(tmp_path):
     """A stability run's record says its study, steps and config changes: a cached run of another study or step count
-    is run again, not reused; learning.py's own specs carry no identity and are served as before."""
+    is run again, not reused; a spec that carries no identity (the untrained model's) is served by any record."""
     from benchmarks.learning import current
 
     from oblr_trl.rewards import GRADER_VERSION
@@ -669,14 +560,13 @@ def test_the_stability_registry_is_read_only_and_resolves_the_problem_sets_delta
     import dataclasses
 
     from benchmarks.stability_registry import (A_PLUS_B, A_PLUS_MINUS_B, PAIRS, PEAK_DELTA, PEAK_DELTA_METHOD,
-                                               PROBLEM_SETS, SETTLED_METHODS, SETTLED_SYNTHETIC_METHODS,
-                                               SMOLLM2_METHODS, STUDIES, SYNTHETIC_METHODS, Delta, by_name)
+                                               PROBLEM_SETS, SETTLED_METHODS, SMOLLM2_METHODS, STUDIES, Delta,
+                                               by_name)
 
     from oblr_trl import OBLRPOConfig
     from oblr_trl.estimators.step_rate import RateRuleTuning
 
-    for registry in (SMOLLM2_METHODS, PROBLEM_SETS, STUDIES, SYNTHETIC_METHODS, SETTLED_METHODS,
-                     SETTLED_SYNTHETIC_METHODS):
+    for registry in (SMOLLM2_METHODS, PROBLEM_SETS, STUDIES, SETTLED_METHODS):
         with pytest.raises(TypeError):
             registry["new"] = None
     takes = SMOLLM2_METHODS["oblrpo-trust-peak-update-every16"]
@@ -694,7 +584,6 @@ def test_the_stability_registry_is_read_only_and_resolves_the_problem_sets_delta
         assert set(method.config_overrides(A_PLUS_B) or {}) <= fields, method.name
     # every method a study, a grid or a pair names is registered
     assert not set(SMOLLM2_METHODS) & set(SETTLED_METHODS)
-    assert not set(SYNTHETIC_METHODS) & set(SETTLED_SYNTHETIC_METHODS)
     registered = set(SMOLLM2_METHODS) | set(SETTLED_METHODS)
     for problems in PROBLEM_SETS.values():
         assert set(problems.methods) <= registered
@@ -706,23 +595,21 @@ def test_the_stability_registry_is_read_only_and_resolves_the_problem_sets_delta
 
 def test_a_settled_method_is_refused_before_anything_runs_naming_the_commit_that_runs_it(tmp_path, monkeypatch):
     """The trust region's cap and target forms and its curvature per unit rate left OBLR-PO: the methods that used
-    them are settled, and a part that would run one, named or among a grid's methods, on SmolLM2 or
-    on the testbed, stops at once in one line naming them and the commit that runs them, before it writes anything;
-    without them the same part runs."""
+    them are settled, and a part that would run one, named or among a grid's methods, stops at once in one line
+    naming them and the commit that runs them, before it writes anything; without them the same part runs."""
     from benchmarks import learning
     from benchmarks import stability
-    from benchmarks.stability_registry import PEAK_DELTA_METHOD, RETIRED_FORMS_COMMIT, SETTLED_METHODS, SETTLED_SYNTHETIC_METHODS
+    from benchmarks.stability_registry import PEAK_DELTA_METHOD, RETIRED_FORMS_COMMIT, SETTLED_METHODS
 
     assert RETIRED_FORMS_COMMIT == "e7f4843"
-    assert {m.commit for m in [*SETTLED_METHODS.values(), *SETTLED_SYNTHETIC_METHODS.values()]} == {"e7f4843"}
+    assert {m.commit for m in SETTLED_METHODS.values()} == {"e7f4843"}
     launched = []
     monkeypatch.setattr(learning, "run_all", lambda specs, *_: launched.append(specs))
     monkeypatch.setattr(stability, "write_summary", lambda *_: None)
     for argv, named in ((["--part", "smollm2", "--methods", "grpo", "oblrpo-trust-cap"], "oblrpo-trust-cap"),
                         (["--part", "smollm2"], "grpo-trust-cap, grpo-trust-target, oblrpo-trust-cap,"),
                         (["--part", "smollm2", "--problems", "a×b"], "grpo-trust-cap"),
-                        (["--part", "validation", "--methods", "oblrpo-trust-peak-every1"], "peak-every1"),
-                        (["--part", "synthetic", "--methods", "grpo", "oblrpo-trust-target"], "oblrpo-trust-target:")):
+                        (["--part", "validation", "--methods", "oblrpo-trust-peak-every1"], "peak-every1")):
         with pytest.raises(SystemExit) as refused:
             stability.main([*argv, "--output_dir", str(tmp_path)])
         message = str(refused.value.code)
@@ -758,41 +645,9 @@ def launched_specs(monkeypatch, argv: list[str]) -> dict:
     return launched
 
 
-def test_stability_snr_batch_runs_the_shipped_factor_against_none_at_8_prompts_a_step(tmp_path, monkeypatch):
-    """`--part snr-batch`: the defaults as they ship and the defaults without the SNR factor (the only field that
-    differs) at 32 completions, 8 prompts, a step on a + b, at GRPO's best rate and TRL's 1e-6, 5 paired test seeds;
-    as many prompts a run as the 40-step grid's at least, and steps enough for the default calibration window to
-    resolve (it opens after 5 estimates and holds 20); its own results folder."""
-    from benchmarks.common import shipped
-    from benchmarks.stability import parse_args
-    from benchmarks.stability_registry import A_PLUS_B, GRID, SNR_ABLATION_WITHOUT, STUDIES
-
-    from oblr_trl.estimators.step_rate import RateRuleTuning
-
-    assert parse_args(["--part", "snr-batch"]).output_dir == str(BENCHMARKS / "results" / "stability-snr-8prompts")
-    launched = launched_specs(monkeypatch, ["--part", "snr-batch", "--problems", "a±b", "--output_dir", str(tmp_path)])
-    initial, *specs = launched[tmp_path / "runs"]
-    assert initial["method"] == "initial" and "identity" not in initial
-    assert {s["problems"] for s in [initial, *specs]} == {A_PLUS_B.title}  # its own problems, not --problems'
-    assert len(specs) == 2 * 2 * 5 and [s["seed"] for s in specs[:4]] == [0, 0, 0, 0]
-    assert {(s["method"], s["learning_rate"], s["seed"]) for s in specs} == {
-        (m, rate, seed) for m in ("oblrpo", SNR_ABLATION_WITHOUT) for rate in (1e-5, 1e-6) for seed in range(5)}
-    config = specs[0]["config"]
-    completions = config["per_device_train_batch_size"] * config["gradient_accumulation_steps"]
-    assert completions == 32 and completions // config["num_generations"] == 8
-    steps = STUDIES["snr-batch"].steps
-    assert steps * 8 >= GRID.steps * 2 and steps > RateRuleTuning.snr_warmup_steps + 20
-    assert all(s["steps"] == steps and s["identity"]["study"] == "snr-batch" for s in specs)
-    assert specs[0]["identity"]["config_changes"] == {"per_device_train_batch_size": 32, "num_generations": 4,
-                                                      "gradient_accumulation_steps": 1}
-    with_factor, without = specs[0]["overrides"], specs[1]["overrides"]
-    assert with_factor == {} and without.pop("use_snr_lr") is False and shipped("use_snr_lr") is True
-    assert all(shipped(key) == value for key, value in without.items())
-
-
 def snr_record(method: str, seed: int, rate: float, accuracy: float, rewards: list[float], factors: list[float],
                study: str, steps: int | None = None, **changes) -> dict:
-    """A run record as `learning.py --child` writes one, with the fields the stability summary reads."""
+    """A run record as `learning.run_child` returns one, with the fields the stability summary reads."""
     nan = float("nan")
     steps = steps or len(rewards)
     return {"method": method, "seed": seed, "learning_rate": rate, "split": "test", "problems": "a + b",
@@ -807,40 +662,6 @@ def write_records(folder: Path, records: list[dict]) -> None:
     for r in records:
         (folder / f"{r['split']}-{r['method']}-lr{r['learning_rate']:.3g}-seed{r['seed']}.json").write_text(
             json.dumps(r))
-
-
-def test_the_compared_studys_summary_pairs_with_and_without_per_rate_in_accuracy_and_auc(tmp_path):
-    """A study that names a pair to compare (snr-batch) gets a section of its own: per rate, with − without paired
-    by seed in final accuracy and in AUC (mean training reward), with t-intervals, and the share of the first
-    arm's steps whose SNR factor moved the rate; no grid section, since none of its runs is the grid's."""
-    from benchmarks.stability_registry import SNR_ABLATION_WITHOUT
-
-    nan = float("nan")
-    batch = {"per_device_train_batch_size": 32, "num_generations": 4, "gradient_accumulation_steps": 1}
-    records = [{"method": "initial", "seed": 0, "learning_rate": 0.0, "split": "test", "problems": "a + b",
-                "accuracy": 0.5, "grader": 2}]
-    for seed, (mine, theirs) in enumerate([(0.9, 0.8), (0.7, 0.7), (0.6, 0.8)]):
-        records += [snr_record("oblrpo", seed, 1e-5, mine, [0.5, 0.7], [1.0, 1.5 if seed == 0 else 1.0],
-                               "snr-batch", **batch),
-                    snr_record(SNR_ABLATION_WITHOUT, seed, 1e-5, theirs, [0.5, 0.5], [nan, nan], "snr-batch", **batch)]
-    records += [snr_record("oblrpo", 0, 1e-6, 0.6, [0.2, 0.4], [1.0, 1.0], "snr-batch", **batch),  # no partner
-                snr_record("oblrpo", 4, 1e-5, 0.1, [0.0, 0.0], [2.0, 2.0], "snr-long", **batch)]  # another study's
-    write_records(tmp_path / "runs", records)
-    out = run("stability.py", "--part", "summary", "--output_dir", str(tmp_path))
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    assert "methods" not in summary and "snr_ablation" not in summary
-    compared = summary["compared"]["snr-batch"]
-    assert compared["with"] == "oblrpo" and compared["without"] == SNR_ABLATION_WITHOUT and compared["steps"] == 2
-    assert list(compared["by_rate"]) == ["1e-05"]
-    cell = compared["by_rate"]["1e-05"]
-    assert cell["seeds"] == [0, 1, 2] and cell["difference_mean"] == pytest.approx((0.1 + 0.0 - 0.2) / 3)
-    assert cell["difference_ci"][0] <= cell["difference_mean"] <= cell["difference_ci"][1]
-    assert cell["auc_difference_mean"] == pytest.approx(0.1)  # (0.5 + 0.7)/2 − 0.5 on every seed
-    assert cell["auc_difference_ci"] == pytest.approx([0.1, 0.1])
-    assert cell["acting_fraction"] == pytest.approx(1 / 6) and cell["with_final_mean"] == pytest.approx(2.2 / 3)
-    assert "32 completions, 8 prompts a step" in out and "| 1e-05 | 3 | 0.733 | 0.767 | -0.033" in out
-    assert "| not shown level |" in out  # −0.033 ± 0.38: it covers 0, but reaches far past ±0.05
-    assert (tmp_path / "summary.png").stat().st_size > 0 and "![summary](summary.png)" in out
 
 
 def test_a_summary_without_a_figure_links_none(tmp_path, monkeypatch):
@@ -858,7 +679,8 @@ def test_a_summary_without_a_figure_links_none(tmp_path, monkeypatch):
 
 def test_runs_of_one_method_rate_and_seed_in_two_studies_are_told_apart_by_their_records(tmp_path):
     """The grid counts its own study's runs only, not another study's in the same folder or below it: runs of the same
-    method, rate and seed made by `reproduce` (its own folder) and `snr-batch` change no grid cell."""
+    method, rate and seed made by `reproduce` (its own folder) and by another study beside them change no grid
+    cell."""
     from benchmarks.stability_registry import A_PLUS_B, PEAK_DELTA_METHOD, REPRODUCE
     from benchmarks.stability_summary import write_summary
 
@@ -867,7 +689,7 @@ def test_runs_of_one_method_rate_and_seed_in_two_studies_are_told_apart_by_their
                "accuracy": 0.5, "grader": 2}
     grid = [snr_record(PEAK_DELTA_METHOD, seed, 1e-5, 0.8, [0.5, 0.5], [nan, nan], "grid") for seed in (0, 1)]
     again = [snr_record(PEAK_DELTA_METHOD, 0, 1e-5, 0.1, [0.1] * 2, [nan] * 2, REPRODUCE.name)]
-    another = snr_record(PEAK_DELTA_METHOD, 2, 1e-5, 0.1, [0.0] * 2, [2.0] * 2, "snr-batch")  # beside the grid's
+    another = snr_record(PEAK_DELTA_METHOD, 2, 1e-5, 0.1, [0.0] * 2, [2.0] * 2, "snr-long")  # beside the grid's
     write_records(tmp_path / "runs", [initial, *grid, another])
     write_records(tmp_path / "runs" / REPRODUCE.folder, again)
     write_summary(tmp_path, A_PLUS_B)
@@ -884,7 +706,6 @@ def test_the_grid_reports_the_defaults_from_the_trust_region_runs_that_are_them(
     from benchmarks.common import shipped
     from benchmarks.stability_measures import defaults_twin, grid_methods, smollm2_grid
     from benchmarks.stability_registry import A_PLUS_B, PEAK_DELTA_METHOD, SMOLLM2_METHODS
-    from benchmarks.stability_summary import synthetic_defaults_line
 
     twin = defaults_twin(A_PLUS_B)
     overrides = SMOLLM2_METHODS[twin].config_overrides(A_PLUS_B)
@@ -916,15 +737,12 @@ def test_the_grid_reports_the_defaults_from_the_trust_region_runs_that_are_them(
     # and the grid does not run the defaults twice under two names
     assert grid_methods(["grpo", "oblrpo", twin], A_PLUS_B) == ["grpo", twin]
     assert grid_methods(["grpo", "oblrpo"], A_PLUS_B) == ["grpo", "oblrpo"]
-    # the stability grid's testbed `oblrpo` predates the trust region, and the grid has no arm of the shipped rule: its
-    # summary says that none of its methods is the defaults, and where they run
-    assert "are none of this grid's methods (the testbed's `defaults` arm" in synthetic_defaults_line()
 
 
 def test_each_problem_set_has_its_own_results_folder_and_a_plus_b_decides():
     """Without --output_dir a part writes to its problems' folder, so that a grid never mixes problem sets: a + b (the
     default, the grid issue 26 is decided on) in results/stability/, a ± b in results/stability-a-pm-b/, the products
-    in results/stability-products/; a study with a results folder of its own there."""
+    in results/stability-products/."""
     from benchmarks.stability import parse_args
 
     assert parse_args(["--part", "smollm2"]).output_dir == str(BENCHMARKS / "results" / "stability")
@@ -1077,25 +895,18 @@ TAKES_DELTA = "oblrpo-trust-peak-update-every16"  # the trust region at the prob
 
 
 def test_stability_smoke(saved_tiny_model, tmp_path):
-    """Both parts at a tiny size: the cells, the regret paired with grpo, and a resumed grid that repeats no run."""
-    run("stability.py", "--part", "synthetic", "--methods", "grpo", "oblrpo", "--test_seeds", "3", "--steps", "4",
-        "--rates", "0.1", "1", "--output_dir", str(tmp_path))
+    """The parts at a tiny size: the cells, the regret paired with grpo, and a resumed grid that repeats no run."""
     smollm2 = ["--part", "smollm2", "--problems", "a±b", "--model", str(saved_tiny_model), "--methods", "grpo",
                "oblrpo", "--seeds", "0",
                "--rates", "1e-4", "1e-3", "--steps", "1", "--eval_problems", "4", "--output_dir", str(tmp_path)]
     out = run("stability.py", *smollm2)
-    results = json.loads((tmp_path / "summary.json").read_text())
-    for part in (results, results["synthetic"]):
-        methods = part["methods"]
-        assert set(methods) >= {"grpo", "oblrpo"}
-        cell = methods["oblrpo"]["by_lr"]["0.001" if part is results else "1"]
-        assert {"final_acc_mean", "final_acc_ci", "auc_mean", "collapse_fraction", "seeds",
-                "factor_range"} <= set(cell)
-        assert 0.0 <= cell["collapse_fraction"] <= 1.0 and len(cell["final_acc_ci"]) == 2
-        assert {"regret_mean", "regret_ci", "regret_minus_grpo", "regret_minus_grpo_ci"} <= set(methods["oblrpo"])
-        assert "regret_minus_grpo" not in methods["grpo"]
-    assert results["methods"]["oblrpo"]["by_lr"]["0.001"]["seeds"] == [0]
-    assert set(results["synthetic"]["methods"]) == {"grpo", "grpo-constant", "oblrpo", "oblrpo-constant"}
+    methods = json.loads((tmp_path / "summary.json").read_text())["methods"]
+    assert set(methods) >= {"grpo", "oblrpo"}
+    cell = methods["oblrpo"]["by_lr"]["0.001"]
+    assert {"final_acc_mean", "final_acc_ci", "auc_mean", "collapse_fraction", "seeds", "factor_range"} <= set(cell)
+    assert 0.0 <= cell["collapse_fraction"] <= 1.0 and len(cell["final_acc_ci"]) == 2 and cell["seeds"] == [0]
+    assert {"regret_mean", "regret_ci", "regret_minus_grpo", "regret_minus_grpo_ci"} <= set(methods["oblrpo"])
+    assert "regret_minus_grpo" not in methods["grpo"]
     assert (tmp_path / "summary.png").exists() and "| oblrpo |" in out
     runs_before = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "runs").iterdir()}
     assert len(runs_before) == 1 + 2 * 2  # the untrained model, 2 methods × 2 rates
@@ -1108,6 +919,14 @@ def test_stability_smoke(saved_tiny_model, tmp_path):
     assert {key: record[key] for key in ("study", "steps", "config_changes")} == {"study": "grid", "steps": 1,
                                                                                   "config_changes": {}}
     assert {"question", "answer", "completions", "correct"} <= set(record["samples"][0])
+    # each run names its code, its resolved config and each held-out problem's outcome
+    assert record["code"]["git_commit"] and record["code"]["trl"] and isinstance(record["code"]["git_dirty"], bool)
+    assert record["config"]["learning_rate"] == record["learning_rate"] == 1e-3
+    assert len(record["outcomes"]) == 4 and sum(record["outcomes"]) / 4 == pytest.approx(record["accuracy"])
+    questions = {name: {json.loads(line)["question"] for line in (tmp_path / "data" / f"{name}.jsonl").open()}
+                 for name in ("train", "validation", "test")}
+    assert len(questions["test"]) == len(questions["validation"]) == 4
+    assert not questions["test"] & questions["train"] and not questions["validation"] & questions["train"]
     del record["grader"]
     stale.write_text(json.dumps(record))
     out = run("stability.py", *smollm2)

@@ -9,8 +9,8 @@ with ``scheduled_t`` the user's schedule (the scheduler never sees the two facto
 its own step) and g_t the trust-region factor (`trust_region.TrustRegionRate`, from the KL that earlier steps moved the
 policy by, on the rate scheduled_t × f_t and the schedule's peak).
 
-[`StepRateRule`] is driven like a learning-rate scheduler, by the trainer (`training.step_control`) and the synthetic
-testbed (benchmarks/synthetic_learning.py) alike; the caller says what it knows when it knows it:
+[`StepRateRule`] is driven like a learning-rate scheduler, by the trainer (`training.step_control`); the caller says
+what it knows when it knows it:
 
     factor = rule.begin_step(scheduled, peak)         # a step is about to run: its factor f × g
     factor = rule.note_grad_norm(grad_norm)           # its gradient norm, where known before the optimizer steps
