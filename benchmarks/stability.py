@@ -26,25 +26,13 @@ transfers of δ to a second task, the longer SNR runs, the configuration that le
 synthetic testbed's grid, the SNR factor at 8 prompts a step) left the code; each folder's ``settled.md``, or its
 summary, reports them and names the commit that runs them.
 
-* ``smollm2`` — SmolLM2-135M-Instruct on a problem set's grid (``--problems``: a + b by default, whose grid decides;
-  a ± b, a × b, a + b answered step by step), GRPO against the defaults, the defaults without the trust region, the
-  paper-literal factor and the trust region's forms (settled); where a method sets only the defaults, `oblrpo` is not
-  run again and the summary reports that method's runs under its name too.
-* ``attribution`` — what buys the robustness: GRPO, GRPO with the shipped trust region, the defaults without it (the
-  paper's baseline and SNR factor) and the defaults, at TRL's 1e-6, GRPO's best rate and 10× it, 5 paired test seeds;
-  under the grid's name, so a grid run of an arm at one of these rates is one of its runs.
-* ``reproduce`` — committed cells run again on seed 0 at GRPO's best rate, each compared step for step with its
-  committed record (in ``runs/reproduce/``).
-* ``delta`` — the per-step KL of the defaults without a trust region at the best rate on validation seeds and the
-  validation split, from which δ is chosen.
-* ``validation`` — any ``--methods`` on validation seeds (10, 11) and the validation split: where the rule's
-  constants, and a new problem set's best rate (its ``rate_screen``), are chosen.
+Each part is a study of the registry (``--help`` lists them):
 
     python -m benchmarks.stability --part smollm2 --methods grpo oblrpo   # a + b: 25 runs a method (7–15 min
                                                                           # each), 2 at a time
     python -m benchmarks.stability --part delta          # 2 validation runs that choose δ
-    python -m benchmarks.stability --part validation --methods grpo --rates 3e-6 1e-5 3e-5   # GRPO's best rate on
-                                                         # a + b, screened on validation seeds
+    python -m benchmarks.stability --part validation --methods grpo --rates 3e-6 1e-5 3e-5 1e-4   # GRPO's best
+                                                         # rate on a + b, screened on validation seeds
     python -m benchmarks.stability --part attribution    # the four arms at 1e-6, GRPO's best and 10× it (60 runs)
     python -m benchmarks.stability --part reproduce      # 3 committed cells run again, compared step for step
     python -m benchmarks.stability --part validation --methods M   # M on validation seeds 10, 11 (choosing)
