@@ -96,13 +96,18 @@ def environment() -> dict:
     }
 
 
+def compact_json(value) -> str:
+    """JSON without whitespace: results and run records are read by code, and their size is budgeted."""
+    return json.dumps(value, separators=(",", ":"))
+
+
 def write_results(output_dir: str | Path, name: str, results: dict, markdown: str) -> tuple[Path, Path]:
     """``<output_dir>/<name>.json`` (results + environment) and ``<name>.md`` (tables, then the environment)."""
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     env = environment()
     json_path, md_path = output_dir / f"{name}.json", output_dir / f"{name}.md"
-    json_path.write_text(json.dumps({"environment": env, **results}, separators=(",", ":")))
+    json_path.write_text(compact_json({"environment": env, **results}))
     details = "\n".join(f"- {key}: `{value}`" for key, value in env.items())
     md_path.write_text(f"{markdown.rstrip()}\n\n### Environment\n\n{details}\n")
     return json_path, md_path

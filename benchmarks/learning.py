@@ -20,7 +20,7 @@ import statistics
 import time
 from pathlib import Path
 
-from benchmarks.common import build_trainer, code_and_versions, run_in_subprocesses
+from benchmarks.common import build_trainer, code_and_versions, compact_json, run_in_subprocesses
 
 # the curves logged per step, besides the reward
 # the curves a run records per step, besides the reward: the ones the summaries read (the SNR estimator's internals are
@@ -217,17 +217,13 @@ def current(path: Path, spec: dict) -> bool:
             and all(record.get(key) == value for key, value in spec.get("identity", {}).items()))
 
 
-def compact(record: dict) -> str:
-    return json.dumps(record, separators=(",", ":"))
-
-
 def run_all(specs: list[dict], folder: Path, description: str, jobs: int) -> list[dict]:
     """Each spec's result, from ``folder`` where an earlier invocation left it, else from a fresh run."""
     folder.mkdir(parents=True, exist_ok=True)
     cached = {run_key(s): folder / f"{run_key(s)}.json" for s in specs}
     todo = [s for s in specs if not current(cached[run_key(s)], s)]
     run_in_subprocesses(__spec__.name, todo, description, jobs=jobs,
-                        on_result=lambda spec, result: cached[run_key(spec)].write_text(compact(result)))
+                        on_result=lambda spec, result: cached[run_key(spec)].write_text(compact_json(result)))
     return [json.loads(cached[run_key(s)].read_text()) for s in specs]
 
 
