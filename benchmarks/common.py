@@ -114,13 +114,8 @@ def write_results(output_dir: str | Path, name: str, results: dict, markdown: st
 
 
 def markdown_table(headers: list[str], rows: list[list]) -> str:
-    def cell(value):
-        if isinstance(value, float):
-            return f"{value:.4g}"
-        return str(value)
-
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    lines += ["| " + " | ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in row) + " |" for row in rows]
     return "\n".join(lines)
 
 
@@ -178,41 +173,29 @@ def text_hash_parity_reward(completions, **kwargs) -> list[float]:
 WARM_MODULES = ["torch", "transformers", "trl", "oblr_trl.training.trainer"]
 
 
-def run_in_subprocesses(module: str, specs: list[dict], description: str, jobs: int = 1, on_result=None,
-                        launcher: list[str] | None = None) -> list[dict]:
+def run_in_subprocesses(module: str, specs: list[dict], description: str, jobs: int = 1, on_result=None) -> list[dict]:
     """Run ``module``'s ``run_child(spec)`` once per spec, each in a fresh process, ``jobs`` at a time, and collect
     the results in the order of ``specs``. Each process is forked from a server that has imported `WARM_MODULES`
     (and nothing of the runs); its output goes to a file, shown when it fails. More than one job only where runs do
     not time each other (a GPU with room for several small models, or runs that report no timings); the first failure
     cancels the runs not yet started. ``on_result(spec, result)`` is called as each run finishes (to keep it if a
-    later run fails). ``launcher``: the command that starts ``-m module --child <spec>`` instead (``torchrun``-like:
-    only one process prints the RESULT line); its runs start cold."""
+    later run fails)."""
     import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor, as_completed
+    from concurrent.futures import ProcessPoolExecutor, as_completed
     from functools import partial
 
     from tqdm.auto import tqdm
 
-    def launched(spec: dict) -> dict:
-        done = subprocess.run([*launcher, "-m", module, "--child", json.dumps(spec)], capture_output=True, text=True)
-        lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-        if done.returncode != 0 or not lines:
-            raise RuntimeError(f"run {spec} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
-        return json.loads(lines[-1][len("RESULT "):])
-
-    if launcher is None:
-        context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(WARM_MODULES)
-        pool = ProcessPoolExecutor(max_workers=max(1, jobs), mp_context=context, max_tasks_per_child=1)
-        run = partial(run_warm_child, module)
-    else:
-        pool, run = ThreadPoolExecutor(max_workers=max(1, jobs)), launched
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(WARM_MODULES)
+    pool = ProcessPoolExecutor(max_workers=max(1, jobs), mp_context=context, max_tasks_per_child=1)
+    run = partial(run_warm_child, module)
     results = {}
     with pool:
         futures = {pool.submit(run, spec): index for index, spec in enumerate(specs)}
         try:
             for future in tqdm(as_completed(futures), total=len(futures), desc=description, unit="run"):
-                # as a RESULT line carries it: what a run records is what its JSON says
+                # what a run records is what its JSON says
                 results[futures[future]] = result = json.loads(json.dumps(future.result()))
                 if on_result is not None:
                     on_result(specs[futures[future]], result)
@@ -317,16 +300,6 @@ def parse_overrides(items: list[str]) -> dict:
                 pass
         overrides[field] = parsed
     return overrides
-
-
-def child_main(run_child, child_spec: str) -> int:
-    from oblr_trl.training.guards import end_distributed_training
-
-    result = run_child(json.loads(child_spec))
-    if os.environ.get("RANK", "0") == "0":  # one RESULT line from a multi-process launch
-        print("RESULT " + json.dumps(result))
-    end_distributed_training()  # run_child's trainer is unreferenced: collected before the group goes
-    return 0
 
 
 def new_figure(columns: int, size: tuple[float, float], rows: int = 1):

@@ -7,8 +7,7 @@ spec's overrides (TRL's GRPOTrainer where it has none) on a split of arithmetic 
 "a op b" with operands 0…max_operand, cut once into disjoint test, validation and training sets), answers the held-out
 split greedily and returns the record the summaries read: the accuracy and each problem's outcome, the reward and
 `TRACES` per step, the resolved config, the trust region it ran with and the code it ran. `CPU` is the configuration
-every run starts from. The learning study the module is named for is settled (benchmarks/README.md, "Settled
-questions").
+every run starts from.
 """
 
 from __future__ import annotations
@@ -22,7 +21,6 @@ from pathlib import Path
 
 from benchmarks.common import build_trainer, code_and_versions, compact_json, run_in_subprocesses
 
-# the curves logged per step, besides the reward
 # the curves a run records per step, besides the reward: the ones the summaries read (the SNR estimator's internals are
 # in the trainer's own logs, docs/metrics.md)
 TRACES = ("learning_rate", "oblr/lr", "grad_norm", "snr/lr_factor", "oblr/step_kl", "oblr/step_kl_target",
@@ -72,13 +70,11 @@ def problem_splits(max_operand: int, eval_problems: int, seed: int = 0,
 
 
 def write_splits(splits: dict, folder: Path) -> dict[str, str]:
+    """Each split as ``<folder>/<name>.jsonl``; their paths by name."""
     folder.mkdir(parents=True, exist_ok=True)
-    paths = {}
     for name, rows in splits.items():
-        path = folder / f"{name}.jsonl"
-        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-        paths[name] = str(path)
-    return paths
+        (folder / f"{name}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return {name: str(folder / f"{name}.jsonl") for name in splits}
 
 
 def load_split(path: str, template: str | None = None):
@@ -176,12 +172,9 @@ def graded_now(path: Path) -> bool:
 
 
 def recorded_trust_region(run: dict) -> tuple[float | None, int | None, str | None, str | None]:
-    """The δ of the trust region a run used, every how many steps it measured the KL, its form and how it read the
-    curvature (None without one). Runs recorded before 2026-11-26 carry no δ: their overrides say, and without one
-    they ran without a trust region, the default then; runs recorded before the end of 2026-11-26 carry no cadence:
-    their overrides say, else every step; runs recorded before 2026-11-28 carry no form: their overrides say, else the
-    cap, the default then; runs recorded before the end of 2026-11-28 carry no curvature: their overrides say, else
-    per unit rate, the only one then."""
+    """The δ of the trust region a run used, its measuring cadence, form and curvature reading (None without one). A
+    record that predates a field has its overrides say, else what ran then: no trust region, every step, the cap, per
+    unit rate."""
     overrides = run.get("overrides") or {}
     kl = run.get("lr_trust_region_kl", overrides.get("lr_trust_region_kl"))
     if kl is None:

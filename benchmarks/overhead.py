@@ -1,52 +1,31 @@
 """Benchmark `overhead`: wall time per optimizer step and peak memory of OBLRPOTrainer against TRL's GRPOTrainer.
 
-Every variant trains the same model on the same data with the same seeds. Completion lengths are fixed (EOS is held
-back until `max_completion_length`) so that every step of every variant processes the same number of tokens and a
-difference in time is the trainer's own. Each (variant, repeat) runs in a fresh process. The order changes between
-repeats (`balanced_orders`: A B, B A, … for two variants; for more, every variant in every place and after every other
-equally often): whichever runs first in a repeat runs slower on a small machine (a fixed order gave OBLR-PO 0.90× or
-1.07× GRPO's step time depending on which went first). Per run, the mean of the timed steps (after warm-up steps: a
-cost paid on some steps only, such as the trust region measuring every k-th step, counts in full; the medians are kept
-in the runs' records); per variant, the median over runs, and the paired ratio to GRPO in each repeat: its mean with a
-95 % t-interval over repeats (and min–max). Peak memory: resident set size (CPU, per process) or peak allocated
-(GPU).
+Every variant trains the same model on the same data and seeds, completions held to `max_completion_length` (EOS held
+back), so a difference in time is the trainer's own. Per run, the mean of the timed steps after the warm-up (a cost
+paid every k-th step counts in full); per variant, the paired ratio to GRPO in each repeat, its mean with a 95 %
+t-interval over repeats. Peak memory: resident set size (CPU) or peak allocated (GPU). Runs in separate processes
+change order between repeats (`balanced_orders`), since the first to run is slower on a small machine; between
+processes minutes apart the machine's speed drifts by up to ±15 % on 2 shared cores, so ``--interleave`` trains every
+variant of a repeat in one process, one optimizer step each in turn (`LockStep`), and takes peak memory from
+``--memory_repeats`` further runs in processes of their own.
 
-Between processes the machine's speed drifts: on 2 shared CPU cores the variant run first in a repeat and the one run
-last differed by up to ±15 % with nothing changed, which the changing order cancels from the mean but not from the
-interval. ``--interleave`` removes it: each repeat is one process in which every variant's trainer trains in its own
-thread and they take one optimizer step each in turn (`LockStep`; each round in the next balanced order), so each
-variant's steps are timed seconds, not minutes, apart from GRPO's. The variants then share one process, so peak memory
-comes from ``--memory_repeats`` further repeats in which each variant trains alone in its own process for the same
-steps (memory barely varies between runs; the time is what needs the interleaving).
-
-Generation is timed inside every step (TRL's `_generate_single_turn`, synchronised on a GPU), so each step splits into
-generation and the **trainer's own part** (step minus generation): what a vLLM user pays, since vLLM makes generation
-several times cheaper than transformers' `generate` and would leave the trainer's part as most of the step. Both are
-reported as paired ratios to GRPO like the whole step. Whatever OBLR-PO adds around generation (reading the logit
-proxy off the logits) counts in the trainer's part.
+Generation is timed inside every step (TRL's `_generate_single_turn`), so each step splits into generation and the
+**trainer's own part** (step minus generation): what a vLLM user pays, since vLLM makes generation cheap. OBLR-PO's
+phases (`PHASES`) are timed inside the same steps.
 
     python -m benchmarks.overhead                       # quickstart size on CPU
-    python -m benchmarks.overhead --max_completion_length 128 --name overhead_long
-    python -m benchmarks.overhead --fsdp2_cpu_processes 2 --variants grpo oblrpo --name overhead_fsdp2_cpu
     python -m benchmarks.overhead --interleave --variants grpo oblrpo oblrpo-no-trust --name overhead_interleaved
     python -m benchmarks.overhead --preset gpu --name overhead_gpu   # one GPU, nothing from the Hub (below)
     python -m benchmarks.overhead --preset gpu-lora --name overhead_gpu_lora   # the same under LoRA (rank 32)
     python -m benchmarks.overhead --preset cpu-lora --variants grpo exact --name overhead_cpu_lora   # CPU, LoRA
-    python -m benchmarks.overhead --preset gpu-vllm     # Qwen3-4B-Base, LoRA, vLLM colocate (needs the Hub and vLLM)
 
-The `gpu` preset needs nothing from the Hub: a randomly initialised model of SmolLM2-1.7B's shape with SmolLM2's
-tokenizer (`random_model.py`, built once under the results folder), full fine-tuning in bf16 with gradient
-checkpointing, transformers' `generate`, 8 prompts × 8 completions of 64 tokens a step, and a reward that varies per
-completion (the parity of a hash of its text), so that every group carries a signal for every variant alike.
+The `gpu` preset needs nothing from the Hub: a random model of SmolLM2-1.7B's shape (`random_model.py`), full
+fine-tuning in bf16 with gradient checkpointing, 8 prompts × 8 completions of 64 tokens a step, and a reward that
+varies per completion (`text_hash_parity_reward`), so every group carries a signal for every variant alike.
 
-Each run's result is appended to ``<name>_runs.jsonl`` beside the results as it finishes; ``--resume`` reuses the
-runs recorded there (same preset, model, length and steps) and runs only the missing ones, so that a run cut short (a
-lent GPU's time limit) continues where it stopped; ``--recorded_only`` starts no run and reports the repeats whose runs
-all finished.
-
-``--fsdp2_cpu_processes N`` runs every variant (GRPO included) under the same FSDP2 wrapping over N CPU processes
-(torchrun, gloo, accelerate's own `fsdp2_prepare_model`; `oblr_trl.testing.allow_fsdp_on_cpu` lifts accelerate's
-CPU refusal), one thread per process.
+Each run's result is appended to ``<name>_runs.jsonl`` as it finishes: ``--resume`` runs only the missing ones (a lent
+GPU's time limit), ``--recorded_only`` reports the repeats whose runs all finished. The cost under FSDP2 is settled:
+its page, ``results/overhead/overhead_fsdp2_cpu.md``, names the commit that runs it (bf5d8f0).
 """
 
 from __future__ import annotations
@@ -55,7 +34,6 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import threading
 import time
 from pathlib import Path
@@ -64,7 +42,6 @@ from benchmarks import random_model
 from benchmarks.common import (
     RESULTS,
     build_trainer,
-    child_main,
     markdown_table,
     new_figure,
     parse_overrides,
@@ -102,24 +79,14 @@ PRESETS = {
         "config": dict(per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=8,
                        learning_rate=3e-5, gradient_checkpointing=False, bf16=False, use_cpu=True),
         "peft": None,
-        "decoder_layer": "LlamaDecoderLayer",  # what FSDP2 shards as one unit (SmolLM2 is a Llama)
     },
     "gpu": {
         "model": "random:smollm2-1.7b",
         "config": dict(per_device_train_batch_size=16, gradient_accumulation_steps=4, num_generations=8,
                        learning_rate=1e-5, gradient_checkpointing=True, bf16=True),
         "peft": None,
-        "decoder_layer": "LlamaDecoderLayer",
         "reward": "text_hash_parity_reward",
         "max_completion_length": 64,
-    },
-    "gpu-vllm": {
-        "model": "Qwen/Qwen3-4B-Base",
-        "config": dict(per_device_train_batch_size=16, gradient_accumulation_steps=8, num_generations=8,
-                       learning_rate=1e-5, gradient_checkpointing=True, bf16=True, use_vllm=True,
-                       vllm_mode="colocate", vllm_gpu_memory_utilization=0.4),
-        "peft": RECIPE_LORA,
-        "decoder_layer": "Qwen3DecoderLayer",
     },
 }
 # the gpu preset under LoRA: what most users with one GPU train, and where the exact weights' per-completion norms
@@ -142,8 +109,6 @@ def parse_args(argv=None):
     parser.add_argument("--max_completion_length", type=int, default=None,
                         help="completion length (fixed); default: the preset's (24 on CPU)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--fsdp2_cpu_processes", type=int, default=0,
-                        help="run every variant under FSDP2 over this many CPU processes (0: one process, no FSDP)")
     parser.add_argument("--name", default="overhead", help="results file name")
     parser.add_argument("--output_dir", default=str(RESULTS / "overhead"))
     parser.add_argument("--resume", action="store_true",
@@ -159,7 +124,6 @@ def parse_args(argv=None):
     parser.add_argument("--memory_repeats", type=int, default=2,
                         help="with --interleave: repeats of every variant in its own process, the same steps, for "
                              "peak memory (the interleaved variants share one process); 0: no memory")
-    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
@@ -199,62 +163,40 @@ class PeakMemory:
             self.peak = max(self.peak, self.process.memory_info().rss)
 
 
-class PhaseTimer:
-    """Seconds spent in one method of a class (a phase of OBLR-PO's step), synchronised with the GPU."""
+def synchronize() -> None:
+    """Wait for the GPU's queued kernels (nothing on a CPU), so that a timer counts them where they ran."""
+    import torch
 
-    def __init__(self, module: str, owner: str, method: str, sync):
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class PhaseTimer:
+    """Seconds spent in one method of a class, synchronised with the GPU: a phase of OBLR-PO's step, or TRL's
+    generation (`GRPOTrainer._generate_single_turn`, the same method for every variant)."""
+
+    def __init__(self, module: str, owner: str, method: str):
         import importlib
 
         cls = getattr(importlib.import_module(module), owner)
         original, self.seconds = getattr(cls, method), 0.0
 
         def timed(*args, **kwargs):
-            sync()
+            synchronize()
             start = time.perf_counter()
             try:
                 return original(*args, **kwargs)
             finally:
-                sync()
+                synchronize()
                 self.seconds += time.perf_counter() - start
 
-        setattr(cls, method, timed)  # this child process trains one variant, then exits
-
-
-class GenerationTimer:
-    """Seconds spent in TRL's generation (`GRPOTrainer._generate_single_turn`, the same method for every variant),
-    synchronised with the GPU so that queued kernels count where they ran."""
-
-    def __init__(self):
-        import torch
-        from trl import GRPOTrainer
-
-        self.seconds = 0.0
-        self.cuda = torch.cuda.is_available()
-        generate = GRPOTrainer._generate_single_turn
-
-        def timed(trainer, *args, **kwargs):
-            self._sync()
-            start = time.perf_counter()
-            try:
-                return generate(trainer, *args, **kwargs)
-            finally:
-                self._sync()
-                self.seconds += time.perf_counter() - start
-
-        GRPOTrainer._generate_single_turn = timed  # this child process trains one variant, then exits
-
-    def _sync(self):
-        if self.cuda:
-            import torch
-
-            torch.cuda.synchronize()
+        setattr(cls, method, timed)  # this child process trains one variant (or one interleaved set), then exits
 
 
 class LockStep:
-    """Lets trainers that train in threads of one process take one optimizer step at a time, in turn, each round in
-    the next order of `balanced_orders` (the first round in the order given), so that a drift of the machine's speed
-    — which between processes minutes apart moved paired ratios by ±15 % — reaches every variant alike, and no
-    variant keeps one place in the round or one predecessor. A trainer that finished (or failed) leaves the rounds."""
+    """Lets trainers in threads of one process take one optimizer step each in turn, each round in the next order of
+    `balanced_orders`, so a drift of the machine's speed reaches every variant alike and none keeps one place or
+    predecessor. A trainer that finished (or failed) leaves the rounds."""
 
     def __init__(self, names: list[str]):
         self.names, self.finished = list(names), set()
@@ -292,14 +234,10 @@ class LockStep:
 def run_child(spec: dict) -> dict | list[dict]:
     """One training run of one variant, or (``interleave``) of each of ``variants`` in lock step in one process;
     returns per-step times and peak memory (per variant: none when interleaved, since they share the process)."""
-    import torch
-
     from oblr_trl.training.vllm_colocate import close_colocated_vllm
 
-    if spec["fsdp2"]:
-        torch.set_num_threads(1)  # one per process: the processes share the machine's cores
-    generation = GenerationTimer()
-    phases = {name: PhaseTimer(*where, generation._sync) for name, where in PHASES.items()}
+    generation = PhaseTimer("trl", "GRPOTrainer", "_generate_single_turn")
+    phases = {name: PhaseTimer(*where) for name, where in PHASES.items()}
     if not spec.get("interleave"):
         trainer, times = timed_trainer(spec, spec["variant"], generation, phases)
         with PeakMemory() as memory:
@@ -336,7 +274,7 @@ def run_child(spec: dict) -> dict | list[dict]:
             for position, variant in enumerate(variants)]
 
 
-def timed_trainer(spec: dict, variant: str, generation: GenerationTimer, phases: dict[str, PhaseTimer],
+def timed_trainer(spec: dict, variant: str, generation: PhaseTimer, phases: dict[str, PhaseTimer],
                   lock_step: LockStep | None = None):
     """The variant's trainer for ``spec``, with a callback that times each optimizer step, the generation in it and
     OBLR-PO's phases (and, under ``lock_step``, a step that waits for its turn and passes it on at its end); returns
@@ -347,12 +285,6 @@ def timed_trainer(spec: dict, variant: str, generation: GenerationTimer, phases:
 
     preset = PRESETS[spec["preset"]]
     config = {**preset["config"], **spec["overrides"]}
-    if spec["fsdp2"]:
-        from oblr_trl.testing import allow_fsdp_on_cpu
-
-        allow_fsdp_on_cpu()
-        config |= {"fsdp": True, "fsdp_config": {"version": 2, "reshard_after_forward": True,
-                                                 "transformer_layer_cls_to_wrap": [preset["decoder_layer"]]}}
     task = load_task("arithmetic", "train", TaskOptions(num_problems=200, seed=spec["seed"]))
     length = spec["max_completion_length"]
     reward = {"text_hash_parity_reward": text_hash_parity_reward}.get(preset.get("reward"))
@@ -367,12 +299,12 @@ def timed_trainer(spec: dict, variant: str, generation: GenerationTimer, phases:
 
     class StepTimer(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
-            generation._sync()
+            synchronize()
             self.start, self.generated = time.perf_counter(), generation.seconds
             self.phases = {name: timer.seconds for name, timer in phases.items()}
 
         def on_step_end(self, args, state, control, **kwargs):
-            generation._sync()
+            synchronize()
             end = time.perf_counter()
             times["step"].append(end - self.start)
             times["span"].append([self.start, end])
@@ -429,12 +361,9 @@ def run_result(spec: dict, variant: str, trainer, times: dict[str, list[float]],
 def step_kl_cadence(trainer, step_kl_seconds: list[float]) -> dict:
     """How often one run measured the step's KL and what one measurement cost.
 
-    The forward runs on the first step and then once every ``lr_trust_region_measure_steps`` steps *with a gradient*
-    (`StepRateRule._kl_due`: a step whose groups all scored alike has none and does not count), so a short window can
-    hold its measurement or miss it. Recorded: the measurements over the whole run, warm-up steps included (the first
-    step with a gradient always measures, so a cadence longer than the window still has its cost; the step's own
-    work is warm by then), their seconds per measurement (None without one), the share of the run's steps with a
-    gradient (TRL's logged ``grad_norm`` > 0), and k."""
+    The forward runs on the first step with a gradient, then on the rule's cadence over steps with a gradient
+    (`StepRateRule._kl_due`). Recorded: the measurements over the whole run, warm-up included, their seconds per
+    measurement (None without one), the share of the run's steps with a gradient (``grad_norm`` > 0), and k."""
     steps = [log for log in trainer.state.log_history if "grad_norm" in log]
     measurements = sum("oblr/step_kl" in log for log in steps)
     rule = getattr(trainer, "step_rate", None)  # GRPOTrainer has none
@@ -464,11 +393,8 @@ def unmeasured_trainer_ratio(run: dict, reference: dict) -> float | None:
 def balanced_orders(n: int) -> list[list[int]]:
     """Orders of ``n`` items, the first the identity, to be taken in turn (cyclically): a Williams design. Over all of
     them every item holds every place equally often and, for ``n`` ≥ 3, follows every other item inside an order
-    equally often; taken in turn, no item comes twice in a row across two orders. For two items: A B, B A (B then runs
-    twice in a row, which no balanced order of two avoids). The plain reversal used before (A B C D, D C B A) kept A
-    and D at the ends and B and C in the middle: in the interleaved runs of 2026-11-27 GRPO ran at the ends, and even
-    the generation of the variants in the middle — the same work in every variant — measured 2–4 % slower than
-    GRPO's.
+    equally often; taken in turn, no item comes twice in a row across two orders. For two items: A B, B A. (A plain
+    reversal keeps the same variants at the ends, where a step runs at another speed than in the middle.)
 
     Rows of the cyclic Latin square built on 0, 1, n−1, 2, n−2, …, with their reverses for an odd ``n``; relabelled
     so that the first is the identity, and put in an order whose junctions repeat no item."""
@@ -563,13 +489,10 @@ def plot(rows, output_dir, name):
               (axes[2], "memory_ratio", None, "peak memory", "÷ GRPOTrainer (median, min–max over repeats)", 1.01))
     for axis, key, interval, title, label, bar in panels:
         values = [r.get(key, float("nan")) for r in rows]
-        if interval is not None:
-            low = [r.get(interval, [v, v])[0] for v, r in zip(values, rows)]
-            high = [r.get(interval, [v, v])[1] for v, r in zip(values, rows)]
-        else:
-            low = [r.get("memory_ratio_min", v) for v, r in zip(values, rows)]
-            high = [r.get("memory_ratio_max", v) for v, r in zip(values, rows)]
-        errors = [[max(0.0, v - lo) for v, lo in zip(values, low)], [max(0.0, hi - v) for v, hi in zip(values, high)]]
+        ends = [r.get(interval, [v, v]) if interval else [r.get("memory_ratio_min", v), r.get("memory_ratio_max", v)]
+                for v, r in zip(values, rows)]
+        errors = [[max(0.0, v - low) for v, (low, _) in zip(values, ends)],
+                  [max(0.0, high - v) for v, (_, high) in zip(values, ends)]]
         axis.bar(labels, values, yerr=errors, capsize=4)
         axis.axhline(1.0, color="black", lw=0.8)
         axis.axhline(bar, color="red", lw=0.8, ls="--", label=f"{bar:g}× bar (default mode)")
@@ -613,10 +536,6 @@ def interval(row: dict, key: str) -> str:
 
 def main(argv=None):
     args = parse_args(argv)
-    if args.interleave and args.fsdp2_cpu_processes:
-        raise SystemExit("--interleave trains in one process: it cannot be combined with --fsdp2_cpu_processes")
-    if args.child:
-        return child_main(run_child, args.child)
     overrides = parse_overrides(args.overrides)
     output_dir = Path(args.output_dir)
     preset = PRESETS[args.preset]
@@ -624,7 +543,7 @@ def main(argv=None):
     length = args.max_completion_length or preset.get("max_completion_length", 24)
     specs = [
         {"preset": args.preset, "model": model, "overrides": overrides, "variant": variant, "repeat": repeat,
-         "position": position, "seed": args.seed + repeat, "fsdp2": args.fsdp2_cpu_processes > 0,
+         "position": position, "seed": args.seed + repeat,
          "steps": args.steps, "warmup_steps": args.warmup_steps, "max_completion_length": length,
          "output_dir": str(output_dir / "runs" / f"{variant}-{repeat}")}
         for repeat in range(args.repeats)
@@ -636,10 +555,6 @@ def main(argv=None):
         specs = [{**spec, "variant": "+".join(balanced_order(args.variants, repeat)), "position": 0,
                   "interleave": True, "output_dir": str(output_dir / "runs" / f"interleaved-{repeat}")}
                  for repeat, spec in enumerate(spec for spec in specs if spec["position"] == 0)]
-    launcher = None
-    if args.fsdp2_cpu_processes:
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                    "--nproc_per_node", str(args.fsdp2_cpu_processes)]
     runs_log = output_dir / f"{args.name}_runs.jsonl"
     done = recorded_runs(runs_log, specs + memory_specs) if args.resume or args.recorded_only else {}
     if args.recorded_only:
@@ -652,7 +567,7 @@ def main(argv=None):
     elif not args.resume:
         runs_log.unlink(missing_ok=True)
     todo = [spec for spec in specs + memory_specs if run_key(spec) not in done]
-    fresh = run_in_subprocesses(__spec__.name, todo, "overhead runs", launcher=launcher,
+    fresh = run_in_subprocesses(__spec__.name, todo, "overhead runs",
                                 on_result=lambda spec, result: append_run(runs_log, spec, result))
     done |= {run_key(spec): result for spec, result in zip(todo, fresh, strict=True)}
     runs = [run for spec in specs for run in (done[run_key(spec)] if args.interleave else [done[run_key(spec)]])]
@@ -666,15 +581,12 @@ def main(argv=None):
         f"{config['per_device_train_batch_size']} × {config['gradient_accumulation_steps']} "
         f"completions per step, completions fixed at {length} tokens; {args.repeats} repeats "
         f"(orders balanced over repeats, the first {' '.join(balanced_order(args.variants, 0))}) × {args.steps} "
-        f"timed steps "
-        f"(after {args.warmup_steps} warm-up; per run their mean)"
+        f"timed steps (after {args.warmup_steps} warm-up; per run their mean)"
         + ("; interleaved: each repeat one process in which the variants take one optimizer step each in turn, each "
            "round in the next balanced order (every variant in every place and after every other alike)"
            + (f"; peak memory from {args.memory_repeats} further repeats in which each variant trains alone in its "
               "own process for the same steps" if args.memory_repeats else " (peak memory not measured)")
            if args.interleave else "")
-        + (f"; FSDP2 over {args.fsdp2_cpu_processes} CPU processes for every variant" if args.fsdp2_cpu_processes
-           else "")
         + (f"; preset overrides `{overrides}`" if overrides else "") + ".\n\n"
         + "The trainer's own part is the step minus the time in TRL's generation (what a vLLM user pays). Ratios "
           "are measured: per repeat the mean over its timed steps paired with GRPO's, their mean over repeats with a "

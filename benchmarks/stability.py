@@ -1,46 +1,25 @@
 """Benchmark `stability`: does a learning-rate rule keep a run learning when the configured rate is too high?
 
-OBLR-PO's title claim is *stable* RL: the SNR-driven rate "contracts when noise dominates". Users rarely tune the
-rate of an RL run, so the question is what each method does over a grid of configured rates, against what GRPO users
-really run: TRL's defaults, whose scheduler decays the rate linearly to 0 with no warm-up. The grid is symmetric
-around GRPO's best rate (best/10 … 10× best), so that a rule which only shrinks the rate loses at the low end what it
-saves at the high end.
+Users rarely tune the rate of an RL run, so each method runs over a grid of configured rates around GRPO's best
+(best/10 … 10× best, TRL's linear schedule without warm-up), paired seeds (same initialisation, prompts and order).
+Per cell: final held-out accuracy with a 95 % t-interval over seeds, the mean training reward, the share of seeds that
+collapsed (ended more than `COLLAPSE_MARGIN` below the untrained model) and the realised SNR factor's range. Per
+method, the regret (best cell's mean final minus this method's final, averaged over the rates, per seed) paired with
+`grpo`. Two arms are level only where their paired difference's interval lies inside ±`EQUIVALENCE_MARGIN`.
 
-Per cell (method × configured rate), over paired seeds (same initialisation, prompts and order for every method):
-final held-out accuracy with a 95 % t-interval over seeds, the mean training reward, the fraction of seeds that
-**collapsed** (final held-out accuracy more than `COLLAPSE_MARGIN` below the untrained model's), and the range of the
-realised SNR factor. Per method, the **regret**: the best mean final accuracy of any method at any rate minus this
-method's final accuracy, averaged over the grid's rates (per seed, so it can be paired), and its paired difference with
-`grpo`, a 95 % t-interval over paired seeds. A rule with lower regret than GRPO loses less when the rate is wrong. Two
-arms are called level only where the interval of their paired difference in final accuracy lies inside
-±`EQUIVALENCE_MARGIN`.
+What runs is declared in `stability_registry.py` (methods, problem sets, studies); the summary's sections are
+`stability_summary.py`'s. Each run is a fresh process whose record under the folder's `runs/` names its method, rate,
+seed, problems, study, steps, config changes and code; a part resumes from the records it finds and ends by
+rewriting the folder's summary. A settled method (`SETTLED_METHODS`) is refused before anything runs, naming the
+commit that runs it; settled studies left the code, and each folder's ``settled.md`` or summary names their commit.
 
-What is run is declared in `stability_registry.py` (methods, problem sets, studies); the summary's sections are
-`stability_summary.py`'s. Each SmolLM2 run is a fresh process whose record, under its results folder's `runs/`, says
-its method, rate, seed, problems, study, steps and config changes; a part resumes from the records it finds
-(``--methods``/``--rates``/``--seeds`` pick a part of it), and every part ends by rewriting the folder's summary. A
-settled method (the trust region's cap and target forms and its curvature per unit rate: `SETTLED_METHODS`) is
-refused before anything runs, naming the commit that runs it; its committed runs stay in the summaries. The grids of
-a + b, a ± b and a × b name settled methods, so they run with ``--methods`` naming the others. Settled studies (the
-transfers of δ to a second task, the longer SNR runs, the configuration that let the calibration resolve, the
-synthetic testbed's grid, the SNR factor at 8 prompts a step) left the code; each folder's ``settled.md``, or its
-summary, reports them and names the commit that runs them.
-
-Each part is a study of the registry (``--help`` lists them):
-
-    python -m benchmarks.stability --part smollm2 --methods grpo oblrpo   # a + b: 25 runs a method (7–15 min
-                                                                          # each), 2 at a time
+    python -m benchmarks.stability --part smollm2 --methods grpo oblrpo   # a + b's grid, 2 runs at a time
     python -m benchmarks.stability --part delta          # 2 validation runs that choose δ
     python -m benchmarks.stability --part validation --methods grpo --rates 3e-6 1e-5 3e-5 1e-4   # GRPO's best
-                                                         # rate on a + b, screened on validation seeds
-    python -m benchmarks.stability --part attribution    # the four arms at 1e-6, GRPO's best and 10× it (60 runs)
+    python -m benchmarks.stability --part attribution    # the four arms at 1e-6, GRPO's best and 10× it
     python -m benchmarks.stability --part reproduce      # 3 committed cells run again, compared step for step
-    python -m benchmarks.stability --part validation --methods M   # M on validation seeds 10, 11 (choosing)
-    python -m benchmarks.stability --part smollm2 --problems a±b --methods M   # the a ± b grid (stability-a-pm-b/)
-    python -m benchmarks.stability --part smollm2 --problems a×b --methods M   # the products' (stability-products/)
-    python -m benchmarks.stability --part validation --problems a+b-reasoned --methods grpo   # long answers: GRPO's
-                                                                 # rate screen (results/stability-long/)
-    python -m benchmarks.stability --part summary --problems a±b   # rewrite a folder's summary from its runs
+    python -m benchmarks.stability --part smollm2 --problems a±b --methods M   # another problem set's grid
+    python -m benchmarks.stability --part summary --problems a+b-reasoned   # rewrite a folder's summary
 """
 
 from __future__ import annotations
@@ -56,7 +35,7 @@ from benchmarks import learning
 from benchmarks.common import RESULTS, parse_overrides
 from benchmarks.stability_measures import grid_methods
 from benchmarks.stability_registry import (
-    CPU, PROBLEM_SETS, SETTLED_METHODS, SMOLLM2_METHODS, STUDIES, ProblemSet, Settled, Study,
+    CPU, PROBLEM_SETS, SETTLED_METHODS, SMOLLM2_METHODS, STUDIES, TRL_SCHEDULE, ProblemSet, Settled, Study,
 )
 from benchmarks.stability_summary import write_summary
 
@@ -151,7 +130,7 @@ def smollm2_specs(args, plan: Plan) -> tuple[list[dict], dict]:
         for rate in plan.rates:
             for name in plan.methods:
                 method = SMOLLM2_METHODS[name]
-                config = {**CPU["config"], **problems.config, **method.schedule, **study.config, **changes}
+                config = {**CPU["config"], **problems.config, **TRL_SCHEDULE, **study.config, **changes}
                 specs.append({**base, "method": name, "overrides": method.config_overrides(problems), "config": config,
                               "seed": seed, "learning_rate": rate, "identity": identity})
     initial = {**base, "method": "initial", "seed": 0, "learning_rate": 0.0, "split": "test",

@@ -47,11 +47,9 @@ def cells_row(title: str, summary: dict, rates: list[float]) -> Row:
             if not present:
                 continue
             cells = [entry["by_lr"][f"{r:.3g}"] for r in present]
-            style = "--" if method.endswith("-constant") else "-"
-            final_axis.errorbar(present, [c["final_acc_mean"] for c in cells], linestyle=style, marker="o", capsize=3,
+            final_axis.errorbar(present, [c["final_acc_mean"] for c in cells], marker="o", capsize=3,
                                 yerr=list(zip(*(error_bar(c) for c in cells), strict=True)), label=method)
-            collapse_axis.plot(present, [c["collapse_fraction"] for c in cells], linestyle=style, marker="o",
-                               label=method)
+            collapse_axis.plot(present, [c["collapse_fraction"] for c in cells], marker="o", label=method)
         final_axis.set(xscale="log", xlabel="configured learning rate", ylabel="final held-out accuracy (95 % t-interval)",
                        title=title)
         collapse_axis.set(xscale="log", xlabel="configured learning rate", ylabel="collapsed fraction of seeds",

@@ -13,7 +13,7 @@ import statistics
 from benchmarks import learning
 from benchmarks.common import shipped, t_interval
 from benchmarks.stability_registry import (
-    PAIRS, PEAK_DELTA, PEAK_DELTA_METHOD, REFERENCE, SMOLLM2_METHODS, TRL_SCHEDULE, ProblemSet,
+    PAIRS, REFERENCE, SMOLLM2_METHODS, TRL_SCHEDULE, ProblemSet,
 )
 
 Cells = dict[str, dict[float, list[dict]]]
@@ -133,7 +133,8 @@ def smollm2_grid(initial: dict, trained: list[dict], problems: ProblemSet,
                "steps": grid[0]["steps"], "schedule": dict(TRL_SCHEDULE), "problems": problems.title}
     cells = smollm2_cells(grid, initial["accuracy"])
     summary = grid_summary(cells)
-    summary["pairs"] = pair_comparison(cells)
+    # the pairs at every rate both arms ran, beyond the grid too (the attribution study's 10× GRPO's best rate)
+    summary["pairs"] = pair_comparison(smollm2_cells(trained, initial["accuracy"]))
     summary["pair_regrets"] = pair_regret_differences(cells, details["rates"])
     summary["rate_rule"] = rate_rule_traces(grid + beyond)
     twin = defaults_twin(problems)
@@ -146,16 +147,12 @@ def smollm2_grid(initial: dict, trained: list[dict], problems: ProblemSet,
 def rate_rule_traces(runs: list[dict]) -> dict:
     """What the trust region did, per method, from its runs' traces:
 
-    * ``moving_fraction``: of the steps with a gradient whose trust-region factor sits strictly inside its bounds and
-      whose previous step had a gradient and was not measured (so the curvature did not change between them), the
-      share whose rate used differs by more than 1 % from the previous step's — the schedule and the SNR factor acting
-      on the step;
-    * ``aim_ratio_*``: the measured ÷ aimed KL (`oblr/step_kl` ÷ `oblr/step_kl_target`) over the measured steps after
-      each run's first, pooled (median, quartiles) and each run's median (runs that log the aimed KL only);
-    * ``by_rate``: per configured rate, of the steps with a gradient, the shares whose factor sat at the upper and at
-      the lower bound, the median of the rate the trust region asked for ÷ the scheduled rate (`oblr/trust_region_rate`
-      ÷ `learning_rate`, runs that log it) and the mean rate used ÷ the configured rate: where a bound, not the
-      measured KL, set the rate."""
+    * ``moving_fraction``: of the gradient steps whose factor sits inside its bounds, after an unmeasured gradient
+      step, the share whose rate used moved by more than 1 % (the schedule and the SNR factor acting on the step);
+    * ``aim_ratio_*``: measured ÷ aimed KL over the measured steps after each run's first (median, quartiles, each
+      run's median; runs that log the aim);
+    * ``by_rate``: per configured rate, the shares of gradient steps at the upper and the lower bound, the median rate
+      asked ÷ scheduled and the mean rate used ÷ configured: where a bound, not the measured KL, set the rate."""
     by_method: dict[str, dict] = {}
     for r in runs:
         traces = r.get("traces", {})
@@ -289,63 +286,19 @@ def defaults_twin(problems: ProblemSet) -> str | None:
     configuration twice; None where no method does."""
     return next((method.name for method in SMOLLM2_METHODS.values()
                  if method.overrides and method.overrides.get("lr_trust_region_kl") is not None
-                 and method.schedule == TRL_SCHEDULE
                  and all(shipped(key) == value for key, value in method.config_overrides(problems).items())),
                 None)
 
 
 # --- δ ---------------------------------------------------------------------------------------------------------------
-def steps_at_peak(delta_runs: list[dict]) -> list[tuple[float, float]]:
+def steps_at_peak(delta_runs: list[dict]) -> list[float]:
     """Each gradient step of runs without a trust region: its KL per token scaled to the schedule's peak,
-    KL·(η_peak/η)², and the step's mean completion length (NaN where the run did not log it). The peak form aims δ
-    at the peak and (per update) lands there, so the first is what a δ for it reads off the runs."""
-    steps = []
-    for r in delta_runs:
-        traces = r["traces"]
-        lengths = traces.get("completions/mean_length") or [math.nan] * len(traces["oblr/step_kl"])
-        steps += [(kl * (r["learning_rate"] / lr) ** 2, length)
-                  for kl, lr, grad, length in zip(traces["oblr/step_kl"], traces["learning_rate"], traces["grad_norm"],
-                                                  lengths, strict=True)
-                  if math.isfinite(kl) and lr > 0 and grad != 0]
-    return steps
-
-
-def median_completion_length(runs: list[dict]) -> float:
-    """The median over the runs' steps of the step's mean completion length (runs that log it)."""
-    return statistics.median(length for r in runs for length in r["traces"].get("completions/mean_length", []))
-
-
-def measured_peak_multiple(runs: list[dict], rate: float) -> dict | None:
-    """Where the defaults (`PEAK_DELTA_METHOD`, δ per token) put the peak rate in their own test runs at ``rate``
-    (GRPO's best): each run's median `oblr/trust_region_rate` ÷ ``rate`` over the steps that have an estimate (every
-    step after the first measurement: the estimate is held between measurements), and the median of those. None
-    before such a run has finished."""
-    multiples = [statistics.median(v for v in r["traces"]["oblr/trust_region_rate"] if math.isfinite(v)) / rate
-                 for r in runs if r["method"] == PEAK_DELTA_METHOD and r["learning_rate"] == rate]
-    return {"median": statistics.median(multiples), "run_medians": multiples} if multiples else None
-
-
-def delta_units(tasks: list[tuple[str, list[dict], list[dict]]], source_length: float) -> dict:
-    """Where each unit of δ puts the peak form's rate on each task ``(title, δ runs, test runs)``, as a multiple of
-    GRPO's best rate there, from the task's runs without a trust region at that rate: per token, η̂/η_best = √(δ / m)
-    with m the median KL per token at the peak (`steps_at_peak`); per completion, δ·L_src for the source's median
-    answer length ``source_length``, against the median of KL·L (L: the step's mean length, the source's where a run
-    did not log it). The unit whose multiple stays put across tasks keeps its meaning; δ is the defaults' peak δ.
-    Beside them, where the defaults' per-token δ put the peak in the task's test runs at that rate
-    (`measured_peak_multiple`)."""
-    units = {}
-    for title, delta_runs, test_runs in tasks:
-        steps = steps_at_peak(delta_runs)
-        lengths = [length if math.isfinite(length) else source_length for _, length in steps]
-        token_median = statistics.median(kl for kl, _ in steps)
-        sequence_median = statistics.median(kl * length for (kl, _), length in zip(steps, lengths, strict=True))
-        best_rate = delta_runs[0]["learning_rate"]
-        units[title] = {
-            "best_rate": best_rate, "median_completion_length": statistics.median(lengths),
-            "step_kl_at_peak_median": token_median, "per_token": math.sqrt(PEAK_DELTA / token_median),
-            "per_completion": math.sqrt(PEAK_DELTA * source_length / sequence_median), "steps": len(steps),
-            "defaults_measured_peak": measured_peak_multiple(test_runs, best_rate)}
-    return units
+    KL·(η_peak/η)². The peak form aims δ at the peak and (per update) lands there, so this is what a δ for it reads
+    off the runs."""
+    return [kl * (r["learning_rate"] / lr) ** 2 for r in delta_runs
+            for kl, lr, grad in zip(r["traces"]["oblr/step_kl"], r["traces"]["learning_rate"], r["traces"]["grad_norm"],
+                                    strict=True)
+            if math.isfinite(kl) and lr > 0 and grad != 0]
 
 
 def step_kl_spread(delta_runs: list[dict]) -> dict:
@@ -354,7 +307,7 @@ def step_kl_spread(delta_runs: list[dict]) -> dict:
     runs logged their completions' length, the quartiles of the KL of a whole completion (per token × the step's mean
     length)."""
     kls = [kl for r in delta_runs for kl in r["traces"]["oblr/step_kl"] if math.isfinite(kl)]
-    at_peak = [kl for kl, _ in steps_at_peak(delta_runs)]
+    at_peak = steps_at_peak(delta_runs)
     per_sequence = [kl * length for r in delta_runs
                     for kl, length in zip(r["traces"]["oblr/step_kl"], r["traces"].get("completions/mean_length", []),
                                           strict=False)

@@ -14,10 +14,10 @@ from functools import cached_property
 from pathlib import Path
 
 from benchmarks import learning
-from benchmarks.common import EQUIVALENCE_MARGIN, RESULTS, equivalence, markdown_table, write_results
+from benchmarks.common import EQUIVALENCE_MARGIN, equivalence, markdown_table, write_results
 from benchmarks.stability_figures import Row, cells_row, plot_summary, screen_row
 from benchmarks.stability_measures import (
-    COLLAPSE_MARGIN, code_of_runs, completion_lengths, delta_units, median_completion_length, reproduction,
+    COLLAPSE_MARGIN, code_of_runs, completion_lengths, reproduction,
     screen_by_rate, smollm2_grid, step_kl_spread,
 )
 from benchmarks.stability_registry import (
@@ -188,7 +188,8 @@ def pairs_section(folder: Folder) -> Section | None:
     rows = [[pair, *(f"{interval(c['mean'], c['ci'])} (n={len(c['seeds'])}) · {equivalence(c['ci'])}"
                      if (c := by_rate.get(rate)) else "—" for rate in rates)]
             for pair, by_rate in comparison.items()]
-    return Section(["What each part buys: the arms paired by seed at each rate both ran, first minus second (95 % "
+    return Section(["What each part buys: the arms paired by seed at each rate both ran, the grid's and beyond it, "
+                    "first minus second (95 % "
                     "t-interval over paired seeds; the trust region's earlier forms, paired alike, are in "
                     f"[settled.md](settled.md)). {LEVEL}\n",
                     markdown_table(["final accuracy, paired by seed", *rates], rows), ""])
@@ -300,30 +301,10 @@ def rate_screen_section(folder: Folder) -> Section | None:
 
 
 # --- δ and the trust region's runs -----------------------------------------------------------------------------------
-def delta_units_lines(units: dict, source: ProblemSet, source_length: float) -> list[str]:
-    rows = []
-    for title, unit in units.items():
-        measured = unit["defaults_measured_peak"]
-        rows.append([title, f"{unit['best_rate']:g}", f"{unit['median_completion_length']:.1f}",
-                     f"{unit['step_kl_at_peak_median']:.2e}", f"{unit['per_token']:.2f}×",
-                     f"{unit['per_completion']:.2f}×",
-                     "not run" if measured is None else
-                     f"{measured['median']:.2f}× ({len(measured['run_medians'])} runs, "
-                     f"{min(measured['run_medians']):.2f}–{max(measured['run_medians']):.2f})"])
-    return [f"Where each unit of δ puts the peak form's rate, as a multiple of GRPO's best rate on each task (δ = "
-            f"{PEAK_DELTA:g} per token, or {PEAK_DELTA:g} × {source_length:.1f} = {PEAK_DELTA * source_length:.3g} "
-            f"per completion, {source.title}'s median answer length; from each task's runs without a trust region at "
-            "GRPO's best rate, validation seeds):\n",
-            markdown_table(["task", "GRPO's best rate", "median length", "median KL per token at the peak",
-                            "η̂ ÷ best, δ per token", "η̂ ÷ best, δ per completion",
-                            "the defaults' measured η̂ ÷ best (test runs at the best rate; run medians' range)"], rows),
-            ""]
-
-
 def delta_section(folder: Folder) -> Section | None:
     """The per-step KL of the runs δ is read off (the defaults without a trust region at GRPO's best rate, validation
-    seeds: `step_kl_spread`) and the δ chosen from it; on a task that keeps another's δ, where each unit of δ puts the
-    peak rate on both (`delta_units`)."""
+    seeds: `step_kl_spread`) and the δ chosen from it, none on a task that keeps another's δ (where each unit of δ
+    puts the peak rate on both tasks is settled: stability-long/settled.md)."""
     delta_runs = [r for r in folder.validation if r["method"] == DELTA_METHOD]
     if not delta_runs:
         return None
@@ -333,20 +314,8 @@ def delta_section(folder: Folder) -> Section | None:
                "step_kl_quartiles": quartiles, "step_kl_90th_percentile": spread["step_kl_90th_percentile"],
                "chosen": None if problems.delta_of else problems.trust_region_kl,
                "step_kl_at_peak_quartiles": peak_quartiles}
-    unit_lines = []
     if problems.delta_of:
-        source = problems.delta_of
-        source_runs = RESULTS / source.folder / "runs"
-        source_validation = read_runs(source_runs, "validation")
-        # the source's δ runs may predate the length trace: its answers' length is then read off its validation runs
-        # at the same rate that log it
-        source_length = median_completion_length([r for r in source_validation
-                                                  if r["learning_rate"] == source.best_rate
-                                                  and "completions/mean_length" in r["traces"]])
-        units = delta_units([(source.title, [r for r in source_validation if r["method"] == DELTA_METHOD],
-                              cached_runs(source_runs)), (problems.title, delta_runs, folder.tests)], source_length)
-        results.update(delta_of=source.title, units=units)
-        unit_lines = delta_units_lines(units, source, source_length)
+        results["delta_of"] = problems.delta_of.title
     if "step_kl_per_sequence_quartiles" in spread:
         results["step_kl_per_sequence_quartiles"] = spread["step_kl_per_sequence_quartiles"]
     chosen = (f"δ is not chosen here: the task keeps {problems.delta_of.title}'s (the defaults' {PEAK_DELTA:g} at the "
@@ -365,8 +334,7 @@ def delta_section(folder: Folder) -> Section | None:
          f"{sequence_line}{chosen}.\n",
          f"Scaled to the schedule's peak, KL·(η_peak/η)² over the {spread['steps_at_peak']} steps with a gradient: "
          f"quartiles {peak_quartiles[0]:.2e} / {peak_quartiles[1]:.2e} / {peak_quartiles[2]:.2e} — the median is the "
-         f"δ a peak form whose steps land on their aim reads off these runs (`{PEAK_DELTA_METHOD}`).\n", "",
-         *unit_lines],
+         f"δ a peak form whose steps land on their aim reads off these runs (`{PEAK_DELTA_METHOD}`).\n", ""],
         {"trust_region_delta": results})
 
 

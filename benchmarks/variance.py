@@ -22,10 +22,10 @@ and the norm over the whole model, computed for every completion by the batched 
 What a leave-one-out baseline can reach: part of the oracle's gain is knowing E[r|q] exactly, which no estimate from
 the other G − 1 completions can. Two more fixed references separate it: the oracle mean E[r|q] (uniform weights), and
 RLOO shifted by the exact b* − p (the leave-one-out mean plus the oracle's reweighting shift). The gap between RLOO and
-the shifted RLOO is what reweighting can reach; each estimator's share of it is reported, with the shrunk and
-pooled-slope estimates (`estimators.baselines`; the pooled slope fitted on the other prompts' groups, as training fits
-it on earlier batches). Every ratio to RLOO has a 95 % interval from a two-level bootstrap (prompts, then the
-completions of each pool).
+the shifted RLOO is what reweighting can reach; each estimator's share of it is reported (the pooled slope fitted on
+the other prompts' groups, as training fits it on earlier batches). Every ratio to RLOO has a 95 % interval from a
+two-level bootstrap (prompts, then the completions of each pool). The `shrunk` estimator, which lost to the pooled
+slope, left the code; the committed table (3e18be7) still shows it.
 
 Run it at several points in training (the base model, and after some OBLR-PO steps): the spread of the weights, hence
 what the baseline can gain, changes with the policy.
@@ -53,15 +53,7 @@ from oblr_trl.estimators.baselines import (
 from oblr_trl.estimators.weights import log_sum_sq_probs, logit_proxy_weights
 from oblr_trl.training.options import OBLRPOOptions
 
-def shrunk_baseline(rewards: torch.Tensor, weights: torch.Tensor, shrinkage: float) -> torch.Tensor:
-    """λ·(weighted LOO mean) + (1 − λ)·(uniform LOO mean) of the others: the `shrunk` estimate of b* the trainer
-    offered until 2026-12-02 (it lost to `pooled_slope`, this benchmark's table)."""
-    weighted = gradient_weighted_baseline(rewards, weights).baseline
-    return shrinkage * weighted + (1.0 - shrinkage) * gradient_weighted_baseline(rewards, torch.ones_like(rewards)).baseline
-
-
-# name → (label, weight source, kind): "loo"/"group" weighted means, "shrunk" (λ = SHRINKAGE, leave-one-out),
-# "pooled" (leave-one-out mean + ρ̂·variance, ρ̂ fitted on the other prompts' groups with these weights)
+# name → (label, weight source, kind): "loo"/"group" weighted means, "pooled" (leave-one-out mean + ρ̂·variance, ρ̂ fitted on the other prompts' groups with these weights)
 BASELINES = {
     "grpo": ("group mean (GRPO)", "uniform", "group"),
     "rloo": ("uniform LOO (RLOO)", "uniform", "loo"),
@@ -69,7 +61,6 @@ BASELINES = {
     "length_loo": ("length LOO", "length", "loo"),
     "logit_group": ("logit, whole group", "logit", "group"),
     "weighted": ("logit LOO, weighted (the paper's estimator)", "logit", "loo"),
-    "shrunk": ("logit LOO, shrunk λ=0.5", "logit", "shrunk"),
     "pooled_slope": ("pooled slope LOO, logit weights (OBLR-PO default)", "logit", "pooled"),
     # the control that separates pooling from weighting: with uniform weights b* is the prompt's mean reward, and
     # what the slope still buys is the shrinkage of the leave-one-out mean (docs/math.md, "ρ̂ without weights")
@@ -78,10 +69,8 @@ BASELINES = {
     "exact_subset_loo": ("exact LOO", "exact", "loo"),
     "exact_group": ("exact full-model, whole group", "exact_full", "group"),
     "exact_weighted": ("exact full-model LOO (baseline_weights='exact')", "exact_full", "loo"),
-    "exact_shrunk": ("exact full-model LOO, shrunk λ=0.5", "exact_full", "shrunk"),
     "exact_pooled_slope": ("pooled slope LOO, exact full-model weights", "exact_full", "pooled"),
 }
-SHRINKAGE = 0.5
 # references that know what a group cannot: fixed per prompt from the whole pool (exact subset weights)
 ORACLES = {
     "oracle_b_star": "oracle b* (fixed per prompt)",
@@ -210,9 +199,7 @@ def group_variances(gram, rewards, weights, group_size, draws, generator, slopes
     result = {}
     for name, (_, source, kind) in BASELINES.items():
         w = weights[source][index]
-        if kind == "shrunk":
-            baseline = shrunk_baseline(r, w, SHRINKAGE)
-        elif kind == "pooled":
+        if kind == "pooled":
             baseline = pooled_slope_baseline(r, slopes[source]).baseline
         else:
             baseline = gradient_weighted_baseline(r, w, leave_one_out=kind == "loo").baseline
@@ -243,17 +230,14 @@ def fit_slopes(pools, skip, group_size, draws, generator):
     return slopes
 
 
-def spearman(a, b):
-    if len(a) < 3:
-        return float("nan")
-    ranks = torch.stack([a.argsort().argsort(), b.argsort().argsort()]).double()
-    return torch.corrcoef(ranks)[0, 1].item()
-
-
 def pearson(a, b):
     if len(a) < 3 or a.std() == 0 or b.std() == 0:
         return float("nan")
     return torch.corrcoef(torch.stack([a, b]))[0, 1].item()
+
+
+def spearman(a, b):
+    return pearson(a.argsort().argsort().double(), b.argsort().argsort().double())
 
 
 def noise_to_signal(per_prompt, prompts=None):

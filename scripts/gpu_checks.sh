@@ -47,9 +47,10 @@ overhead() {
     # shellcheck disable=SC2206
     local command=($py -m benchmarks.overhead "$@" ${OVERHEAD_ARGS:-} --repeats "${REPEATS:-2}"
                    --steps "${STEPS:-8}" --name "$name" --output_dir "$out")
-    # a run cut short leaves its child training on (it outlives the parent): end it before the next stage times
+    # a run cut short leaves its child training on (forked from the benchmark's forkserver, it finishes its step on
+    # SIGTERM and outlives the parent): end them before the next stage times
     timeout "$left" "${command[@]}" ${RESUME:+--resume} 2>&1 | grep -v "it/s]" | tee -a "$log" \
-        || { pkill -9 -f "benchmarks.overhead --child"; sleep 2; "${command[@]}" --recorded_only 2>&1 | tee -a "$log"; }
+        || { pkill -9 -f "multiprocessing.forkserver import main"; sleep 2; "${command[@]}" --recorded_only 2>&1 | tee -a "$log"; }
 }
 if [[ "$stages" == *" overhead "* ]]; then
     stamp overhead

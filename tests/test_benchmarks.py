@@ -48,10 +48,10 @@ def test_variance_smoke(saved_tiny_model, tmp_path):
     results = json.loads((tmp_path / "variance.json").read_text())
     assert len(results["points"]) == 2 and results["environment"]["command"].startswith("python")
     names = [row["name"] for row in results["points"][0]["baselines"]]
-    assert {"weighted", "shrunk", "pooled_slope", "uniform_pooled_slope", "exact_weighted", "oracle_b_star", "oracle_mean",
+    assert {"weighted", "pooled_slope", "uniform_pooled_slope", "exact_weighted", "oracle_b_star", "oracle_mean",
             "rloo_exact_shift"} <= set(names)
     assert results["default_estimator"] in results["estimators"]
-    entry = results["estimators"]["shrunk"]
+    entry = results["estimators"]["pooled_slope"]
     assert set(entry["noise_to_signal_vs_rloo"]) == set(entry["noise_to_signal_vs_rloo_ci"]) == {"base", "trained"}
     assert all(len(interval) == 2 for interval in entry["noise_to_signal_vs_rloo_ci"].values())
     assert (tmp_path / "variance.png").exists() and "| baseline |" in out
@@ -312,14 +312,6 @@ def test_overhead_times_generation_and_the_trainers_part_on_a_random_model_of_a_
         runs["oblrpo-every-step"]["mean_step_seconds"] / runs["grpo"]["mean_step_seconds"], rel=1e-6)
 
 
-def test_overhead_under_fsdp2_on_two_cpu_processes_smoke(saved_tiny_model, tmp_path):
-    run("overhead.py", "--model", str(saved_tiny_model), "--variants", "grpo", "oblrpo", "--repeats", "1", "--steps", "1",
-        "--max_completion_length", "4", "--set", "num_generations=4", "--fsdp2_cpu_processes", "2",
-        "--output_dir", str(tmp_path))
-    results = json.loads((tmp_path / "overhead.json").read_text())
-    assert {(r["processes"], r["distributed_type"]) for r in results["runs"]} == {(2, "DistributedType.FSDP")}
-
-
 def test_variance_noise_to_signal_ignores_the_whole_group_shrinkage():
     """The group mean's estimator is (G-1)/G times RLOO's, group by group: tr Cov and ‖E ĝ‖² both shrink by
     ((G-1)/G)², the noise-to-signal ratio does not; a weighted baseline changes it."""
@@ -347,7 +339,7 @@ def test_variance_noise_to_signal_ignores_the_whole_group_shrinkage():
     assert abs(trace_exact / signal_exact - trace_rloo / signal_rloo) > 1e-3 * trace_rloo / signal_rloo
     # gradients are centred in the pool (score identity): every leave-one-out baseline has the same expectation, so
     # the same signal up to the draws' noise; uncentred, E[b]·ḡ would shift each one differently
-    for label in ("length_loo", "weighted", "exact_subset_loo", "shrunk", "rloo_exact_shift"):
+    for label in ("length_loo", "weighted", "exact_subset_loo", "rloo_exact_shift"):
         assert result[label][1] == pytest.approx(signal_rloo, rel=0.05)
 
 
@@ -594,26 +586,29 @@ def test_the_stability_registry_is_read_only_and_resolves_the_problem_sets_delta
 
 
 def test_a_settled_method_is_refused_before_anything_runs_naming_the_commit_that_runs_it(tmp_path, monkeypatch):
-    """The trust region's cap and target forms and its curvature per unit rate left OBLR-PO: the methods that used
-    them are settled, and a part that would run one, named or among a grid's methods, stops at once in one line
+    """The trust region's cap and target forms and its curvature per unit rate left OBLR-PO, and the settled studies'
+    methods left the registry: they are settled, and a part that would run one, named or among a grid's methods, stops at once in one line
     naming them and the commit that runs them, before it writes anything; without them the same part runs."""
     from benchmarks import learning
     from benchmarks import stability
-    from benchmarks.stability_registry import PEAK_DELTA_METHOD, RETIRED_FORMS_COMMIT, SETTLED_METHODS
+    from benchmarks.stability_registry import (PEAK_DELTA_METHOD, RETIRED_FORMS_COMMIT, SETTLED_METHODS,
+                                               SETTLED_STUDIES_COMMIT)
 
-    assert RETIRED_FORMS_COMMIT == "e7f4843"
-    assert {m.commit for m in SETTLED_METHODS.values()} == {"e7f4843"}
+    assert (RETIRED_FORMS_COMMIT, SETTLED_STUDIES_COMMIT) == ("e7f4843", "920ac46")
+    assert {m.commit for m in SETTLED_METHODS.values()} == {"e7f4843", "920ac46"}
     launched = []
     monkeypatch.setattr(learning, "run_all", lambda specs, *_: launched.append(specs))
     monkeypatch.setattr(stability, "write_summary", lambda *_: None)
     for argv, named in ((["--part", "smollm2", "--methods", "grpo", "oblrpo-trust-cap"], "oblrpo-trust-cap"),
                         (["--part", "smollm2"], "grpo-trust-cap, grpo-trust-target, oblrpo-trust-cap,"),
                         (["--part", "smollm2", "--problems", "a×b"], "grpo-trust-cap"),
-                        (["--part", "validation", "--methods", "oblrpo-trust-peak-every1"], "peak-every1")):
+                        (["--part", "validation", "--methods", "oblrpo-trust-peak-every1"], "peak-every1"),
+                        (["--part", "validation", "--methods", "oblrpo-defaults-no-snr"], "920ac46")):
         with pytest.raises(SystemExit) as refused:
             stability.main([*argv, "--output_dir", str(tmp_path)])
         message = str(refused.value.code)
-        assert named in message and "commit e7f4843" in message and "\n" not in message, argv
+        assert named in message and "commit " in message and "\n" not in message, argv
+        assert ("commit 920ac46" if "no-snr" in argv[-1] else "commit e7f4843") in message
     assert launched == [] and list(tmp_path.iterdir()) == []
     assert stability.main(["--part", "smollm2", "--methods", "grpo", PEAK_DELTA_METHOD, "--seeds", "0", "--rates",
                            "1e-5", "--eval_problems", "4", "--output_dir", str(tmp_path)]) == 0
@@ -730,6 +725,11 @@ def test_the_grid_reports_the_defaults_from_the_trust_region_runs_that_are_them(
     assert list(rates) == [f"{r:g}" for r in A_PLUS_B.grid[:2]] + ["0.001"]
     assert rates["0.001"]["of_best_cell"] == pytest.approx(0.5) and rates["1e-06"]["of_best_cell"] == pytest.approx(1)
     assert list(details["beyond_grid"]) == [f"{twin} @ 0.001"] and details["steps"] == 3
+    # the arms' pairs at every rate both ran (the attribution study's 10× GRPO's best lies beyond the grid); the
+    # regret stays the grid's
+    summary = grid(twin, trained(twin, 1e-3, 0.3), trained("grpo", 1e-3, 0.1))[0]
+    assert summary["pairs"][f"{twin} - grpo"]["0.001"]["mean"] == pytest.approx(0.2)
+    assert set(summary["methods"][twin]["by_lr"]) == {f"{r:.3g}" for r in A_PLUS_B.grid[:2]}
     # another δ, cadence, form or curvature: not the defaults (the a ± b grid's δ of 0.4 included)
     for other in ("oblrpo-trust-target-every16", "oblrpo-trust-peak-every16", "oblrpo-trust-peak-update-every16",
                   "oblrpo-trust-cap-every8"):
@@ -832,8 +832,7 @@ def test_the_long_completion_task_reports_what_delta_its_steps_would_read_and_ch
     """The long task keeps a + b's δ (it tests whether that δ holds): its δ section reports the per-token and the
     per-completion KL of the steps and chooses nothing, where a + b's chooses its own."""
     from benchmarks.stability import main
-    from benchmarks.stability_measures import delta_units
-    from benchmarks.stability_registry import A_PLUS_B, A_PLUS_B_REASONED, DELTA_METHOD, PEAK_DELTA_METHOD
+    from benchmarks.stability_registry import A_PLUS_B, A_PLUS_B_REASONED, DELTA_METHOD
 
     for problems, folder in ((A_PLUS_B_REASONED, tmp_path / "long"), (A_PLUS_B, tmp_path / "sums")):
         (folder / "runs").mkdir(parents=True)
@@ -849,31 +848,9 @@ def test_the_long_completion_task_reports_what_delta_its_steps_would_read_and_ch
     # per completion: 0.1, 0.1, 0.04, 0.3, 0.25 (the NaN step dropped)
     assert long["step_kl_per_sequence_quartiles"][1] == pytest.approx(0.1)
     assert long["step_kl_quartiles"][1] == pytest.approx(3e-3)
+    # scaled to the peak, KL·(η_peak/η)²: 9e-3, 4.5e-3, 4e-3 (seed 10), 2.7e-2, 1.125e-2 (seed 11)
+    assert long["step_kl_at_peak_quartiles"][1] == pytest.approx(9e-3)
     assert "δ is not chosen here" in (tmp_path / "long" / "summary.md").read_text()
-    # where each unit of δ puts the rule's peak rate, against GRPO's best, on a + b (its committed runs) and here
-    units = long["units"]
-    assert set(units) == {A_PLUS_B.title, A_PLUS_B_REASONED.title}
-    sums_unit = units[A_PLUS_B.title]  # its δ runs predate the length trace: one length for every step
-    assert sums_unit["per_token"] == pytest.approx(sums_unit["per_completion"]) and sums_unit["best_rate"] == 1e-5
-    here = units[A_PLUS_B_REASONED.title]
-    # at the peak per token 9e-3, 4.5e-3, 4e-3 (seed 10), 2.7e-2, 1.125e-2 (seed 11): median 9e-3; × the lengths 100,
-    # 50, 10 per completion 0.9, 0.225, 0.04, 2.7, 0.5625: median 0.5625
-    assert here["step_kl_at_peak_median"] == pytest.approx(9e-3) and here["steps"] == 5
-    assert here["per_token"] == pytest.approx((5e-3 / 9e-3) ** 0.5)
-    length = sums_unit["median_completion_length"]
-    assert here["per_completion"] == pytest.approx((5e-3 * length / 0.5625) ** 0.5)
-    # where the defaults' per-token δ put the peak in their test runs at the best rate: none here yet; a + b's from
-    # its committed runs at 1e-5 (10 seeds)
-    assert here["defaults_measured_peak"] is None
-    assert len(sums_unit["defaults_measured_peak"]["run_medians"]) >= 10
-    delta_runs = [json.loads(p.read_text()) for p in sorted((tmp_path / "long" / "runs").glob("validation-*.json"))]
-    test_runs = [{"method": PEAK_DELTA_METHOD, "seed": seed, "learning_rate": 3e-5,
-                  "traces": {"oblr/trust_region_rate": peaks}}  # NaN: the steps between measurements
-                 for seed, peaks in ((0, [math.nan, 1.5e-5, 3e-5, 6e-5]), (1, [math.nan, 6e-5, 9e-5, 9e-5]))]
-    test_runs.append({**test_runs[0], "method": "grpo"})  # another method's runs do not count
-    measured = delta_units([(A_PLUS_B_REASONED.title, delta_runs, test_runs)], length)[A_PLUS_B_REASONED.title]
-    assert measured["defaults_measured_peak"] == {"median": pytest.approx(2.0),
-                                                  "run_medians": pytest.approx([1.0, 3.0])}
     sums = json.loads((tmp_path / "sums" / "summary.json").read_text())["trust_region_delta"]
     assert sums["chosen"] == A_PLUS_B.trust_region_kl and "delta_of" not in sums
 
