@@ -21,8 +21,7 @@ from pathlib import Path
 
 from benchmarks.common import build_trainer, code_and_versions, compact_json, run_in_subprocesses
 
-# the curves a run records per step, besides the reward: the ones the summaries read (the SNR estimator's internals are
-# in the trainer's own logs, docs/metrics.md)
+# the curves a run records per step besides the reward: those the summaries read (the others: docs/metrics.md)
 TRACES = ("learning_rate", "oblr/lr", "grad_norm", "snr/lr_factor", "oblr/step_kl", "oblr/step_kl_target",
           "oblr/trust_region_factor", "oblr/trust_region_rate", "completions/mean_length")
 
@@ -94,7 +93,8 @@ def run_child(spec: dict) -> dict:
 
     held_out = load_split(spec["held_out"], spec.get("template"))
     output_dir = Path(spec["scratch"]) / run_key(spec)
-    start = time.perf_counter()
+    # the code as the run starts: what trains it (a commit made while it trains is not its code)
+    start, code = time.perf_counter(), code_and_versions()
     if spec["method"] == "initial":  # the untrained model: the same for every run, measured once per split
         path = resolve_model(spec["model"])
         model, tokenizer = AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
@@ -121,7 +121,7 @@ def run_child(spec: dict) -> dict:
                   median_completion_tokens=median_tokens(tokenizer, completions),
                   samples=[{key: s[key] for key in ("question", "answer", "completions", "correct")}
                            for s in samples[:8]],
-                  outcomes=[int(s["correct"][0]) for s in samples], code=code_and_versions())
+                  outcomes=[int(s["correct"][0]) for s in samples], code=code)
     if spec.get("sample_max_new_tokens"):  # the untrained answers as training samples them (TRL's temperature 1)
         sampled = generate_completions(model, tokenizer, list(held_out["prompt"]), n=4, temperature=1.0,
                                        max_new_tokens=spec["sample_max_new_tokens"], progress=False)

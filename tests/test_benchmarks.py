@@ -382,6 +382,15 @@ def test_attribution_study_pairs_the_four_arms_at_trl_default_best_and_ten_times
     assert SMOLLM2_METHODS["oblrpo-no-trust"].config_overrides(A_PLUS_B) == {"lr_trust_region_kl": None}
 
 
+def test_the_benchmarks_stay_inside_their_budget():
+    """benchmarks/ is a suite, not a lab notebook (issue 79): at most 3,000 lines of Python and 8 MB of results; a
+    settled question's script leaves the tree, its page stays."""
+    lines = sum(len(path.read_text().splitlines()) for path in BENCHMARKS.glob("*.py"))
+    size = sum(path.stat().st_size for path in (BENCHMARKS / "results").rglob("*") if path.is_file())
+    assert lines <= 3000, f"benchmarks/ holds {lines} lines of Python"
+    assert size <= 8_000_000, f"benchmarks/results holds {size / 1e6:.2f} MB"
+
+
 def test_results_name_their_commit_and_whether_the_tree_differed_from_it():
     from benchmarks.common import environment
 
