@@ -80,12 +80,13 @@ class OBLRPOOptions:
         "Estimate of each completion's weight w_i ∝ ‖∇_θ log π(o_i|q)‖² in the baseline: 'logit' (Σ_t ‖∂ log "
         "p_t(y_t)/∂z_t‖², one no-grad forward per generation batch, reused where TRL runs one), 'length' (the token "
         "count, free), 'exact' (the squared gradient norm over the trainable parameters, one extra forward and "
-        "backward) or 'uniform' (RLOO's baseline).", BASELINE_WEIGHTS)
+        "backward) or 'uniform' (all equal: with baseline_estimator='weighted', RLOO's baseline).", BASELINE_WEIGHTS)
     baseline_estimator: str = _option(
         "pooled_slope",
         "Estimate of b* = E[w r]/E[w] from the group: 'pooled_slope' (the other rewards' mean + ρ̂ × their variance, "
-        "ρ̂ fitted on earlier batches; less noise) or 'weighted' (Σ_{j≠i} w_j r_j / Σ_{j≠i} w_j, the paper's). Both "
-        "are unbiased with leave_one_out.", BASELINE_ESTIMATORS)
+        "ρ̂ fitted on earlier batches; less noise) or 'weighted' (Σ_{j≠i} w_j r_j / Σ_{j≠i} w_j, the paper's). With "
+        "leave_one_out neither reads the completion's own reward; scale_rewards='group' (TRL's default) then divides by "
+        "the group's std, which does.", BASELINE_ESTIMATORS)
     leave_one_out: bool = _option(
         True,
         "Leave completion i out of its own baseline, which keeps the estimator unbiased. False: one baseline over "
