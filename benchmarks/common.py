@@ -70,23 +70,20 @@ def code_and_versions() -> dict:
     }
 
 
-def invocation() -> list[str]:
-    """What followed the interpreter on the command line: ``-m <module> args`` for a module run with ``-m``."""
-    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
-    return ["-m", spec.name, *sys.argv[1:]] if spec is not None else sys.argv
-
-
 def environment() -> dict:
     """The code, machine and versions a result was measured with (`code_and_versions`), the exact command, and the
     machine's load around it."""
     import torch
 
+    # what followed the interpreter: ``-m <module> args`` for a module run with ``-m``
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    invocation = ["-m", spec.name, *sys.argv[1:]] if spec is not None else sys.argv
     load_at_end = os.getloadavg()[0]
     warning = load_warning(LOAD_AT_START, load_at_end, os.cpu_count() or 1)
     if warning is not None:
         print(f"warning: {warning}", file=sys.stderr)
     return {
-        "command": " ".join([Path(sys.executable).name, *invocation()]),
+        "command": " ".join([Path(sys.executable).name, *invocation]),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "torch_threads": torch.get_num_threads(),
         **code_and_versions(),
@@ -239,6 +236,20 @@ def t_interval(values, level: float = 0.95) -> list[float]:
         return [math.nan, math.nan]
     mean, spread = statistics.fmean(values), statistics.stdev(values) / math.sqrt(len(values))
     half = t_quantile((1 + level) / 2, len(values) - 1) * spread
+    return [mean - half, mean + half]
+
+
+def seeds_and_problems_interval(differences: list[list[float]], level: float = 0.95) -> list[float]:
+    """The t-interval of the mean of paired differences per seed (rows) and test problem (columns), counting the
+    problems' noise beside the seeds': seeds and problems as crossed random effects, the mean's variance taken as
+    var(seed means)/S + var(problem means)/P, which counts their interaction's share twice (conservative), t with S − 1
+    degrees of freedom. A t-interval over seed means alone misses the problems' share: every seed meets the same
+    problems. NaN for fewer than 2 seeds."""
+    seeds, problems = [statistics.fmean(row) for row in differences], [statistics.fmean(c) for c in zip(*differences)]
+    if len(seeds) < 2:
+        return [math.nan, math.nan]
+    spread = math.sqrt(statistics.variance(seeds) / len(seeds) + statistics.variance(problems) / len(problems))
+    half, mean = t_quantile((1 + level) / 2, len(seeds) - 1) * spread, statistics.fmean(seeds)
     return [mean - half, mean + half]
 
 

@@ -164,13 +164,6 @@ def grader_of(run: dict) -> int:
     return run.get("grader", 1)
 
 
-def graded_now(path: Path) -> bool:
-    """A cached run whose accuracy the current grader gave."""
-    from oblr_trl.rewards import GRADER_VERSION
-
-    return path.exists() and grader_of(json.loads(path.read_text())) == GRADER_VERSION
-
-
 def recorded_trust_region(run: dict) -> tuple[float | None, int | None, str | None, str | None]:
     """The δ of the trust region a run used, its measuring cadence, form and curvature reading (None without one). A
     record that predates a field has its overrides say, else what ran then: no trust region, every step, the cap, per
@@ -203,10 +196,12 @@ def requested_trust_region(spec: dict) -> tuple[float | None, int | None, str | 
 def current(path: Path, spec: dict) -> bool:
     """A cached run of ``spec`` graded by the current grader, run with the trust region the spec asks for now (a
     method named after the defaults changes when they do) and recording the spec's ``identity`` (its steps, say)."""
-    if not graded_now(path):
+    from oblr_trl.rewards import GRADER_VERSION
+
+    if not path.exists():
         return False
     record = json.loads(path.read_text())
-    return (recorded_trust_region(record) == requested_trust_region(spec)
+    return (grader_of(record) == GRADER_VERSION and recorded_trust_region(record) == requested_trust_region(spec)
             and all(record.get(key) == value for key, value in spec.get("identity", {}).items()))
 
 
@@ -218,8 +213,3 @@ def run_all(specs: list[dict], folder: Path, description: str, jobs: int) -> lis
     run_in_subprocesses(__spec__.name, todo, description, jobs=jobs,
                         on_result=lambda spec, result: cached[run_key(spec)].write_text(compact_json(result)))
     return [json.loads(cached[run_key(s)].read_text()) for s in specs]
-
-
-def auc(run: dict) -> float:
-    """Reward area under the curve: the mean training reward over the run's steps."""
-    return statistics.fmean(run["reward"])

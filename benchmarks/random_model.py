@@ -16,8 +16,6 @@ from pathlib import Path
 QWEN3 = dict(max_position_embeddings=40960, rope_theta=1_000_000.0)
 LLAMA_SMOLLM2 = dict(max_position_embeddings=8192, rope_theta=130_000.0, rms_norm_eps=1e-5)
 SHAPES = {  # (architecture, shape)
-    "qwen3-0.6b": ("qwen3", dict(QWEN3, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True)),
     "qwen3-4b": ("qwen3", dict(QWEN3, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
                                num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True)),
     "qwen3-8b": ("qwen3", dict(QWEN3, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,

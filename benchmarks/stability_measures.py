@@ -11,7 +11,7 @@ import math
 import statistics
 
 from benchmarks import learning
-from benchmarks.common import shipped, t_interval
+from benchmarks.common import seeds_and_problems_interval, shipped, t_interval
 from benchmarks.stability_registry import (
     PAIRS, REFERENCE, SMOLLM2_METHODS, TRL_SCHEDULE, ProblemSet,
 )
@@ -107,13 +107,15 @@ def against_grpo(own: dict[float, list[dict]], reference: dict[float, list[dict]
 
 
 def smollm2_cells(runs: list[dict], initial_accuracy: float) -> Cells:
-    """The runs as cells, each run's realised SNR factor range (1 where it logged none)."""
+    """The runs as cells (``auc``: the mean training reward), each run's realised SNR factor range (1 where it logged
+    none) and its test problems' outcomes (None where it did not record them)."""
     cells: Cells = {}
     for r in sorted(runs, key=lambda r: (r["method"], r["learning_rate"], r["seed"])):
         factors = [f for f in r["traces"]["snr/lr_factor"] if not math.isnan(f)] or [1.0]
         cells.setdefault(r["method"], {}).setdefault(r["learning_rate"], []).append(
-            {"seed": r["seed"], "final": r["accuracy"], "auc": learning.auc(r), "initial": initial_accuracy,
-             "factor_min": min(factors), "factor_max": max(factors)})
+            {"seed": r["seed"], "final": r["accuracy"], "auc": statistics.fmean(r["reward"]),
+             "initial": initial_accuracy, "outcomes": r.get("outcomes"), "factor_min": min(factors),
+             "factor_max": max(factors)})
     return cells
 
 
@@ -241,7 +243,8 @@ def rate_range(runs: list[dict], method: str, best_cell: float) -> dict:
 def pair_comparison(cells: Cells) -> dict:
     """Per pair of `PAIRS` and per rate both ran: the final accuracy of the first minus the second, paired by
     seed (mean, t-interval, seeds), so that a cell with more seeds than the grid is compared on all of
-    them."""
+    them; where every paired run recorded each test problem's outcome, ``ci_with_problems`` counts the problems'
+    noise too (`seeds_and_problems_interval`)."""
     comparison = {}
     for first, second in PAIRS:
         if first not in cells or second not in cells:
@@ -250,6 +253,11 @@ def pair_comparison(cells: Cells) -> dict:
         for rate in sorted(set(cells[first]) & set(cells[second])):
             finals = [{r["seed"]: r["final"] for r in cells[method][rate]} for method in (first, second)]
             if difference := paired_difference(*finals):
+                outcomes = [{r["seed"]: r.get("outcomes") for r in cells[method][rate]} for method in (first, second)]
+                if all(outcomes[0][s] and outcomes[1][s] for s in difference["seeds"]):
+                    difference["ci_with_problems"] = seeds_and_problems_interval(
+                        [[a - b for a, b in zip(outcomes[0][s], outcomes[1][s], strict=True)]
+                         for s in difference["seeds"]])
                 by_rate[f"{rate:.3g}"] = difference
         comparison[f"{first} - {second}"] = by_rate
     return comparison

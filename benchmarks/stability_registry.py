@@ -98,8 +98,7 @@ SMOLLM2_METHODS: Mapping[str, Method] = by_name((
     Method(GRPO_TRUST_REGION, {**GRPO_AS_OBLRPO, **DEFAULTS_TRUST_REGION},
            "TRL's GRPO step with the trust region as it ships (peak form, δ = 0.005, every 16th step, short early gaps)"),
 ))
-# what buys the robustness to the rate, arm by arm: GRPO, GRPO with the shipped trust region, the paper's two parts
-# (the baseline and the SNR factor) without it, and the defaults (all three)
+# what buys the robustness to the rate: GRPO, with the trust region, the paper's two parts alone, all three (defaults)
 ATTRIBUTION_ARMS = (REFERENCE, GRPO_TRUST_REGION, "oblrpo-no-trust", PEAK_DELTA_METHOD)
 
 

@@ -61,7 +61,6 @@ class Folder:
     problems: ProblemSet
     tests: list[dict]
     validation: list[dict]
-    elsewhere: dict[str, list[dict]] = field(default_factory=dict)  # test runs of the folders below runs/, read once
 
     @classmethod
     def read(cls, output_dir: Path, problems: ProblemSet) -> Folder:
@@ -69,17 +68,10 @@ class Folder:
         recorded = [*tests, *validation]
         return cls(output_dir, problems_titled(recorded[0]["problems"]) if recorded else problems, tests, validation)
 
-    def tests_in(self, folder: str) -> list[dict]:
-        """The test runs of a folder under runs/ (`cached_runs`; runs/ itself for "")."""
-        if not folder:
-            return self.tests
-        if folder not in self.elsewhere:
-            self.elsewhere[folder] = cached_runs(self.output_dir / "runs" / folder)
-        return self.elsewhere[folder]
-
     def runs_of(self, study: Study) -> list[dict]:
-        """The study's test runs, from its folder under runs/."""
-        return [r for r in self.tests_in(study.folder) if r["method"] != "initial" and r["study"] == study.name]
+        """The study's test runs, from its folder under runs/ (`cached_runs`; runs/ itself, read once, for "")."""
+        tests = cached_runs(self.output_dir / "runs" / study.folder) if study.folder else self.tests
+        return [r for r in tests if r["method"] != "initial" and r["study"] == study.name]
 
     @cached_property
     def initial(self) -> dict | None:
@@ -186,12 +178,14 @@ def pairs_section(folder: Folder) -> Section | None:
     comparison = folder.grid[0]["pairs"]
     rates = sorted({rate for by_rate in comparison.values() for rate in by_rate}, key=float)
     rows = [[pair, *(f"{interval(c['mean'], c['ci'])} (n={len(c['seeds'])}) · {equivalence(c['ci'])}"
-                     if (c := by_rate.get(rate)) else "—" for rate in rates)]
+                     + (" · with problems [{:+.3f}, {:+.3f}]".format(*c["ci_with_problems"])
+                        if "ci_with_problems" in c else "") if (c := by_rate.get(rate)) else "—" for rate in rates)]
             for pair, by_rate in comparison.items()]
     return Section(["What each part buys: the arms paired by seed at each rate both ran, the grid's and beyond it, "
-                    "first minus second (95 % "
-                    "t-interval over paired seeds; the trust region's earlier forms, paired alike, are in "
-                    f"[settled.md](settled.md)). {LEVEL}\n",
+                    "first minus second (95 % t-interval over paired seeds; \"with problems\": where every run recorded "
+                    "each test problem's outcome, the interval counting the problems' noise too, seeds and problems "
+                    "crossed; the trust region's earlier forms, paired alike, are in [settled.md](settled.md)). "
+                    f"{LEVEL}\n",
                     markdown_table(["final accuracy, paired by seed", *rates], rows), ""])
 
 

@@ -451,6 +451,33 @@ def test_stability_pairs_the_attribution_arms_seed_by_seed_on_every_seed_both_ra
     assert set(defaults_grpo) == {"1e-06"} and defaults_grpo["1e-06"]["seeds"] == [1, 2]
     assert defaults_grpo["1e-06"]["mean"] == pytest.approx((0.3 + 0.3) / 2)
     assert "oblrpo-no-trust - grpo" not in comparison  # an arm that never ran pairs with nothing
+    assert "ci_with_problems" not in added["1e-06"]  # no run recorded its problems' outcomes
+    # where both arms' runs recorded each test problem's outcome, the interval counts the problems' noise too
+    cells[PEAK_DELTA_METHOD][1e-5] = [{**r, "outcomes": o} for r, o in zip(cells[PEAK_DELTA_METHOD][1e-5],
+                                                                          ([1, 1, 0, 1], [1, 0, 1, 1]), strict=True)]
+    cells[GRPO_TRUST_REGION][1e-5] = [{**r, "outcomes": o} for r, o in zip(cells[GRPO_TRUST_REGION][1e-5],
+                                                                          ([1, 0, 0, 1], [1, 0, 1, 0]), strict=True)]
+    from benchmarks.common import seeds_and_problems_interval
+
+    with_problems = pair_comparison(cells)[f"{PEAK_DELTA_METHOD} - {GRPO_TRUST_REGION}"]["1e-05"]
+    assert with_problems["ci_with_problems"] == pytest.approx(
+        seeds_and_problems_interval([[0, 1, 0, 0], [0, 0, 0, 1]]), abs=1e-12)
+
+
+def test_the_interval_with_problems_counts_the_problems_noise_that_seeds_alone_miss():
+    """Every seed meets the same test problems: seeds that agree exactly give a seed-only interval of width 0, while
+    the problems' spread still makes the mean uncertain; the interval over seeds and problems counts it."""
+    import statistics
+
+    from benchmarks.common import seeds_and_problems_interval
+
+    differences = [[1.0, 0.0, 0.0, 1.0, 0.0, 0.0]] * 3  # three seeds, identical: no seed noise
+    assert students_t_interval([statistics.fmean(row) for row in differences]) == pytest.approx([1 / 3, 1 / 3])
+    low, high = seeds_and_problems_interval(differences)
+    t_two = (2 * 0.975 - 1) / math.sqrt(2 * 0.975 * 0.025)  # t_{0.975, 2}, closed form
+    half = t_two * math.sqrt(statistics.variance([1, 0, 0, 1, 0, 0]) / 6)
+    assert (low, high) == pytest.approx((1 / 3 - half, 1 / 3 + half))
+    assert all(math.isnan(end) for end in seeds_and_problems_interval([[1.0, 0.0]]))  # one seed: no interval
 
 
 def test_stability_regret_difference_of_a_pair_is_paired_over_the_seeds_that_ran_every_rate():
