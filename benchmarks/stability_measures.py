@@ -161,7 +161,8 @@ def rate_rule_traces(runs: list[dict]) -> dict:
         factors = traces.get("oblr/trust_region_factor")
         if not factors or r.get("lr_trust_region_kl") is None:
             continue
-        low, high = 0.01, (1.0 if r.get("lr_trust_region_mode") == "cap" else 10.0)  # the benchmark's bounds
+        low, high = 0.01, (1.0 if r.get("lr_trust_region_mode") == "cap" else  # the benchmark's bounds
+                           (r.get("overrides") or {}).get("lr_trust_region_max_ratio", 10.0))
         used = learning.used_rates(traces)
         measured = [isinstance(v, float) and math.isfinite(v) for v in traces["oblr/step_kl"]]
         entry = by_method.setdefault(r["method"], {"pairs": 0, "moving": 0, "ratios": [], "run_medians": []})

@@ -93,6 +93,8 @@ SMOLLM2_METHODS: Mapping[str, Method] = by_name((
            "the defaults without the trust region, measuring every step's KL: the runs δ is read off"),
     Method(PEAK_DELTA_METHOD, DEFAULTS_TRUST_REGION,
            f"the peak form per unit of Adam's update at δ = {PEAK_DELTA:g}: the shipped defaults"),
+    Method("oblrpo-trust-bound100", {**DEFAULTS_TRUST_REGION, "lr_trust_region_max_ratio": 100.0},
+           "the defaults with the trust region's factor bounded at 100×, not 10×: the low side at TRL's 1e-6"),
     Method("oblrpo-trust-peak-update-every16", trust_region(16),
            "the peak form per unit of Adam's update at the problem set's δ (the cap's)"),
     Method(GRPO_TRUST_REGION, {**GRPO_AS_OBLRPO, **DEFAULTS_TRUST_REGION},

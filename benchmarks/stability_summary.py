@@ -17,8 +17,8 @@ from benchmarks import learning
 from benchmarks.common import EQUIVALENCE_MARGIN, equivalence, markdown_table, write_results
 from benchmarks.stability_figures import Row, cells_row, plot_summary, screen_row
 from benchmarks.stability_measures import (
-    COLLAPSE_MARGIN, code_of_runs, completion_lengths, reproduction,
-    screen_by_rate, smollm2_grid, step_kl_spread,
+    COLLAPSE_MARGIN, code_of_runs, completion_lengths, rate_rule_traces, reproduction, screen_by_rate, smollm2_grid,
+    step_kl_spread,
 )
 from benchmarks.stability_registry import (
     DELTA_METHOD, GRID, LONG_COMPLETIONS, PEAK_DELTA, PEAK_DELTA_METHOD, REFERENCE, REPRODUCE, ProblemSet, Study,
@@ -217,9 +217,9 @@ def rate_rule_section(folder: Folder) -> Section | None:
                     markdown_table(["method", "runs", "rate moved > 1 % between measurements, inside the bounds",
                                     "measured ÷ aimed KL after the first measurement: median [quartiles]"], rows), "",
                     "Where a bound set the rate, per configured rate (steps with a gradient; the bounds are 0.01× and "
-                    "10× the scheduled rate, 1× for the `cap` form): the share at each bound, the rate the trust "
-                    "region asked for ÷ the scheduled rate (median; runs that log it) and the rate used ÷ the "
-                    "configured rate (mean over steps and runs):\n",
+                    "10× the scheduled rate or a method's own, 1× for the `cap` form): the share at each bound, the "
+                    "rate the trust region asked for ÷ the scheduled rate (median; runs that log it) and the rate "
+                    "used ÷ the configured rate (mean over steps and runs):\n",
                     markdown_table(["method", "lr", "runs", "steps with a gradient", "at the upper bound",
                                     "at the lower bound", "asked ÷ scheduled (median)", "used ÷ configured"],
                                    [[method, rate, cell["runs"], cell["gradient_steps"], fraction(cell["at_upper_bound"]),
@@ -272,26 +272,42 @@ def completion_lengths_section(folder: Folder) -> Section | None:
                                    rows), ""], lengths)
 
 
-def screen_lines(screen: list[dict], problems: ProblemSet) -> tuple[dict, list[str]]:
-    """GRPO's final validation accuracy per rate and seed (the runs that choose ``problems``' best rate), and the
-    lines for it."""
-    by_rate = screen_by_rate(screen)
+def screen_lines(runs: list[dict], problems: ProblemSet) -> tuple[dict, list[str]]:
+    """Final validation accuracy per method, rate and seed: GRPO's (the runs that choose ``problems``' best rate) and
+    any other method's (`--part validation --methods …`, the low side is chosen there), each cell ÷ GRPO's best cell
+    on the same seeds, with the share of its gradient steps at the trust region's upper bound (`rate_rule_traces`);
+    the results and the lines for them."""
+    screen = screen_by_rate([r for r in runs if r["method"] == REFERENCE])
+    best = max(screen, key=lambda rate: statistics.fmean(r["accuracy"] for r in screen[rate]), default=None)
+    bounds, results, rows = rate_rule_traces(runs), {}, []
+    for method in sorted({r["method"] for r in runs}, key=lambda m: (m != REFERENCE, m)):
+        for rate, cell in screen_by_rate([r for r in runs if r["method"] == method]).items():
+            seeds = {r["seed"]: r["accuracy"] for r in cell}
+            best_here = [a["accuracy"] for a in screen.get(best, []) if a["seed"] in seeds]
+            of_best = statistics.fmean(seeds.values()) / statistics.fmean(best_here) if best_here else None
+            upper = bounds.get(method, {}).get("by_rate", {}).get(rate, {}).get("at_upper_bound")
+            results.setdefault(method, {})[f"{rate:g}"] = seeds | ({"of_best": of_best, "at_upper_bound": upper}
+                                                                   if method != REFERENCE else {})
+            rows.append([method, rate, ", ".join(f"{seed}: {acc:.3f}" for seed, acc in seeds.items()),
+                         statistics.fmean(seeds.values()), fraction(of_best), fraction(upper)])
     chosen = f"chosen: {problems.best_rate:g}" if problems.best_rate else "none chosen yet"
-    lines = [f"## GRPO's best rate on {problems.title} (validation seeds {sorted({r['seed'] for r in screen})}, "
-             f"validation split; {chosen})\n",
-             markdown_table(["lr", "seed: final validation acc.", "mean"],
-                            [[rate, ", ".join(f"{r['seed']}: {r['accuracy']:.3f}" for r in runs),
-                              statistics.fmean(r["accuracy"] for r in runs)] for rate, runs in by_rate.items()]), ""]
-    return {f"{rate:g}": {r["seed"]: r["accuracy"] for r in runs} for rate, runs in by_rate.items()}, lines
+    lines = [f"## GRPO's best rate on {problems.title} (validation seeds {sorted({r['seed'] for r in runs})}, "
+             f"validation split; {chosen}), and other methods on the same seeds\n",
+             markdown_table(["method", "lr", "seed: final validation acc.", "mean", "÷ GRPO's best cell",
+                             "at the trust region's upper bound"], rows), ""]
+    return results, lines
 
 
 def rate_screen_section(folder: Folder) -> Section | None:
-    """GRPO's rate screen on validation seeds, where the problem set has one (its best rate is chosen there)."""
-    screen = [r for r in folder.validation if r["method"] == REFERENCE] if folder.problems.rate_screen else []
-    if not screen:
+    """GRPO's rate screen on validation seeds, where the problem set has one (its best rate is chosen there), and the
+    other methods run on them (`screen_lines`)."""
+    runs = [r for r in folder.validation if r["method"] != DELTA_METHOD] if folder.problems.rate_screen else []
+    if not runs:
         return None
-    results, lines = screen_lines(screen, folder.problems)
-    return Section(lines, {"rate_screen": results}, [screen_row(screen)])
+    results, lines = screen_lines(runs, folder.problems)
+    grpo = [r for r in runs if r["method"] == REFERENCE]
+    return Section(lines, {"rate_screen": results.pop(REFERENCE, {}), "validation_methods": results},
+                   [screen_row(grpo)] if grpo else [])
 
 
 # --- δ and the trust region's runs -----------------------------------------------------------------------------------
