@@ -39,10 +39,19 @@ def installed_version(*distributions: str) -> str | None:
     return None
 
 
+def cpu_model() -> str | None:
+    """The CPU's model name as the kernel reports it (Linux), else None."""
+    try:
+        return next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("model name")), None)
+    except OSError:
+        return None
+
+
 def code_and_versions() -> dict:
     """What a result's numbers were computed by: the commit, whether tracked files outside the results differed from
     it (and a digest of that difference, so that two runs of one dirty tree can be told to share their code), the
-    machine and the versions of torch, transformers, TRL and vLLM."""
+    machine, its CPU and torch's CPU capability, and the versions of torch, transformers, TRL and vLLM."""
     import torch
     import transformers
     import trl
@@ -60,6 +69,9 @@ def code_and_versions() -> dict:
         "git_dirty": None if difference is None else bool(difference),
         **({"git_diff_sha256": hashlib.sha256(difference.encode()).hexdigest()[:16]} if difference else {}),
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+        # the CPU and the kernels torch picked for it: runs of one code on two CPUs can part in the last bits
+        "cpu": cpu_model(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "cpu_count": os.cpu_count(),
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
         "python": platform.python_version(),

@@ -345,6 +345,8 @@ def test_the_benchmarks_stay_inside_their_budget():
 
 
 def test_results_name_their_commit_and_whether_the_tree_differed_from_it():
+    import torch
+
     from benchmarks.common import environment
 
     found = environment()
@@ -354,6 +356,7 @@ def test_results_name_their_commit_and_whether_the_tree_differed_from_it():
                              cwd=BENCHMARKS).stdout.strip()
     assert found["git_commit"] == head.stdout.strip() and found["git_dirty"] is bool(changed)
     assert ("git_diff_sha256" in found) is bool(changed)
+    assert found["cpu_capability"] == torch.backends.cpu.get_cpu_capability() and found["cpu"]
 
 
 def test_stability_summary_tests_a_default_against_grpo_seed_by_seed():
