@@ -43,10 +43,13 @@ def grid_summary(cells: Cells) -> dict:
     """Per method: ``by_lr`` cells and the regret over the grid, paired with `grpo`.
 
     Regret of a seed = mean over rates of (best cell mean final of any method − this seed's final); only seeds run at
-    every rate of the grid count (and, for the paired difference, also at every rate of `grpo`).
+    every rate of the grid count (and, for the paired difference, also at every rate of `grpo`). The best cell is one
+    of more than one seed where any has more (a single seed's final is no cell's mean: the attribution's arms start
+    with one).
     """
-    best = max(statistics.fmean(r["final"] for r in runs)
-               for rates in cells.values() for runs in rates.values() if runs)
+    means = [(len(runs), statistics.fmean(r["final"] for r in runs))
+             for rates in cells.values() for runs in rates.values() if runs]
+    best = max(mean for n, mean in means if n > 1 or all(m == 1 for m, _ in means))
 
     grid = {rate for rates in cells.values() for rate, runs in rates.items() if runs}
 
