@@ -59,8 +59,16 @@ def cells_row(title: str, summary: dict, rates: list[float]) -> Row:
 
 
 def screen_row(runs: list[dict]) -> Row:
-    """GRPO's final validation accuracy per screened rate, and each run's mean sampled length per step."""
+    """GRPO's final validation accuracy per screened rate (a line per seed) with the other methods' validation runs
+    (a marker per run), and each of GRPO's runs' mean sampled length per step."""
+    others = [r for r in runs if r["method"] != REFERENCE]
+    runs = [r for r in runs if r["method"] == REFERENCE]
+
     def draw(accuracy_axis, length_axis) -> None:
+        for index, method in enumerate(sorted({r["method"] for r in others})):
+            mine = [r for r in others if r["method"] == method]
+            accuracy_axis.scatter([r["learning_rate"] for r in mine], [r["accuracy"] for r in mine],
+                                  marker="sDv^<>"[index % 6], color=f"C{index}", label=method, zorder=3)
         rates = sorted({r["learning_rate"] for r in runs})
         for index, seed in enumerate(sorted({r["seed"] for r in runs})):
             mine = sorted((r for r in runs if r["seed"] == seed), key=lambda r: r["learning_rate"])
@@ -72,7 +80,7 @@ def screen_row(runs: list[dict]) -> Row:
                 length_axis.plot(range(1, len(lengths) + 1), lengths, color=f"C{rates.index(r['learning_rate'])}",
                                  linestyle=style, label=f"seed {seed}, lr {r['learning_rate']:g}")
         accuracy_axis.set(xscale="log", xlabel="configured learning rate", ylabel="final validation accuracy",
-                          title=f"{REFERENCE}'s rate screen (validation seeds and split)")
+                          title=f"{REFERENCE}'s rate screen and other methods (validation seeds and split)")
         length_axis.set(xlabel="optimizer step", ylabel="mean sampled completion length (tokens)",
                         title="how long the answers are while training")
         grid_and_legend(accuracy_axis, length_axis)

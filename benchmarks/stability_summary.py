@@ -305,9 +305,8 @@ def rate_screen_section(folder: Folder) -> Section | None:
     if not runs:
         return None
     results, lines = screen_lines(runs, folder.problems)
-    grpo = [r for r in runs if r["method"] == REFERENCE]
     return Section(lines, {"rate_screen": results.pop(REFERENCE, {}), "validation_methods": results},
-                   [screen_row(grpo)] if grpo else [])
+                   [screen_row(runs)])
 
 
 # --- δ and the trust region's runs -----------------------------------------------------------------------------------
