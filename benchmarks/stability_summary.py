@@ -284,7 +284,8 @@ def screen_lines(runs: list[dict], problems: ProblemSet) -> tuple[dict, list[str
         for rate, cell in screen_by_rate([r for r in runs if r["method"] == method]).items():
             seeds = {r["seed"]: r["accuracy"] for r in cell}
             best_here = [a["accuracy"] for a in screen.get(best, []) if a["seed"] in seeds]
-            of_best = statistics.fmean(seeds.values()) / statistics.fmean(best_here) if best_here else None
+            of_best = (statistics.fmean(seeds.values()) / statistics.fmean(best_here)
+                       if best_here and statistics.fmean(best_here) > 0 else None)
             upper = bounds.get(method, {}).get("by_rate", {}).get(rate, {}).get("at_upper_bound")
             results.setdefault(method, {})[f"{rate:g}"] = seeds | ({"of_best": of_best, "at_upper_bound": upper}
                                                                    if method != REFERENCE else {})
