@@ -1088,3 +1088,22 @@ def test_the_cpu_lora_preset_is_the_cpu_preset_under_the_recipes_lora():
 
     assert PRESETS["cpu-lora"] == {**PRESETS["cpu"], "peft": RECIPE_LORA} and PRESETS["cpu"]["peft"] is None
     assert parse_args(["--preset", "cpu-lora"]).preset == "cpu-lora"
+
+
+def test_the_low_side_study_runs_the_defaults_and_the_100x_bound_on_validation_seeds(tmp_path):
+    """benchmarks/README's low-side command: the defaults and the same rule bounded at 100× at TRL's 1e-6 on the long
+    task's validation seeds and split, the bound reaching the trainer's rate rule (a run made with 10× is not one)."""
+    from benchmarks.stability import parse_args, plan, smollm2_specs
+    from benchmarks.stability_registry import PEAK_DELTA_METHOD, STUDIES
+    from oblr_trl import OBLRPOTrainer
+    from oblr_trl.testing import with_rate_tuning
+
+    args = parse_args(["--part", "validation", "--problems", "a+b-reasoned", "--methods", PEAK_DELTA_METHOD,
+                       "oblrpo-trust-bound100", "--rates", "1e-6", "--output_dir", str(tmp_path)])
+    specs, _ = smollm2_specs(args, plan(STUDIES["validation"], args))
+    assert sorted((s["method"], s["seed"], s["split"], s["learning_rate"]) for s in specs) == sorted(
+        (method, seed, "validation", 1e-6) for method in (PEAK_DELTA_METHOD, "oblrpo-trust-bound100") for seed in (10, 11))
+    bounded = next(s for s in specs if s["method"] == "oblrpo-trust-bound100")
+    trainer_cls, config = with_rate_tuning(OBLRPOTrainer, {**bounded["config"], **bounded["overrides"]})
+    assert trainer_cls.rate_tuning.lr_trust_region_max_ratio == 100.0 and "lr_trust_region_max_ratio" not in config
+    assert OBLRPOTrainer.rate_tuning.lr_trust_region_max_ratio == 10.0
