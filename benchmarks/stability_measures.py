@@ -365,11 +365,14 @@ def completion_lengths(runs: list[dict]) -> dict:
 def reproduction(fresh: dict, committed: dict) -> dict:
     """How far a run made again (``fresh``) lands from the committed record of the same method, rate and seed: the
     largest difference of each step's rate used (relative to the committed rate) and of each step's mean reward, and
-    the final accuracies. Step for step means both differences are 0: the committed cell is then today's code."""
+    the final accuracies. Step for step means both differences are 0: the committed cell is then today's code; the
+    rewards alone reproducing (every step's and the final accuracy equal, the rate off in its last digits) means the
+    cell is today's to the precision a summary reports."""
     mine, theirs = learning.used_rates(fresh["traces"]), learning.used_rates(committed["traces"])
     rate = max((abs(a - b) / abs(b) if b else abs(a) for a, b in zip(mine, theirs, strict=True)), default=0.0)
     reward = max((abs(a - b) for a, b in zip(fresh["reward"], committed["reward"], strict=True)), default=0.0)
     return {"method": fresh["method"], "learning_rate": fresh["learning_rate"], "seed": fresh["seed"],
             "rate_difference": rate, "reward_difference": reward, "accuracy": fresh["accuracy"],
             "committed_accuracy": committed["accuracy"], "step_for_step": rate == 0.0 and reward == 0.0,
+            "rewards_reproduce": reward == 0.0 and fresh["accuracy"] == committed["accuracy"],
             "code": fresh.get("code", {}).get("git_commit")}

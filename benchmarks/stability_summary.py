@@ -367,8 +367,8 @@ def reproduce_section(folder: Folder) -> Section | None:
                          "final acc. (committed)", "step for step"],
                         [[r["method"], r["learning_rate"], r["seed"], r["code"] or "—", r["rate_difference"],
                           r["reward_difference"], f"{r['accuracy']:.3f} ({r['committed_accuracy']:.3f})",
-                          "yes" if r["step_for_step"] else "rewards and final accuracy" if r["reward_difference"] == 0
-                          and r["accuracy"] == r["committed_accuracy"] else "no"] for r in rows]), ""],
+                          "yes" if r["step_for_step"] else "rewards and final accuracy" if r["rewards_reproduce"]
+                          else "no"] for r in rows]), ""],
         {"reproduce": rows})
 
 

@@ -1014,13 +1014,16 @@ def test_reproduction_says_step_for_step_only_when_every_step_matches():
     same = {**committed, "code": {"git_commit": "abc1234"}}
     assert reproduction(same, committed) == {
         "method": "grpo", "learning_rate": 1e-5, "seed": 0, "rate_difference": 0.0, "reward_difference": 0.0,
-        "accuracy": 0.85, "committed_accuracy": 0.85, "step_for_step": True, "code": "abc1234"}
+        "accuracy": 0.85, "committed_accuracy": 0.85, "step_for_step": True, "rewards_reproduce": True,
+        "code": "abc1234"}
     off_rate = {**committed, "traces": {"learning_rate": [1e-5, 6.7e-6 * 1.001, 3.3e-6]}}
     found = reproduction(off_rate, committed)
     assert not found["step_for_step"] and found["rate_difference"] == pytest.approx(1e-3)
+    assert found["rewards_reproduce"]  # the rate off in its last digits, every reward and the accuracy equal
     off_reward = {**committed, "reward": [0.2, 0.5, 0.625], "accuracy": 0.8}
     found = reproduction(off_reward, committed)
     assert not found["step_for_step"] and found["reward_difference"] == 0.125 and found["code"] is None
+    assert not found["rewards_reproduce"]
 
 
 def test_the_summary_sets_each_reproduced_run_beside_its_committed_record(tmp_path):
