@@ -137,6 +137,7 @@ def run_child(spec: dict) -> dict:
         result["lr_trust_region_sample_size"] = getattr(trainer.args, "lr_trust_region_sample_size", None)
         tuning = getattr(trainer, "rate_tuning", None)  # the rate rule's constants the run used (GRPOTrainer: none)
         result["lr_trust_region_measure_steps"] = getattr(tuning, "lr_trust_region_measure_steps", None)
+        result["lr_trust_region_max_ratio"] = getattr(tuning, "lr_trust_region_max_ratio", None)
         result.update({field: None if tuning is None else form for field, form in TRUST_REGION_FORM.items()})
     return result
 

@@ -164,8 +164,10 @@ def rate_rule_traces(runs: list[dict]) -> dict:
         factors = traces.get("oblr/trust_region_factor")
         if not factors or r.get("lr_trust_region_kl") is None:
             continue
-        low, high = 0.01, (1.0 if r.get("lr_trust_region_mode") == "cap" else  # the benchmark's bounds
-                           (r.get("overrides") or {}).get("lr_trust_region_max_ratio", 10.0))
+        # runs before 2026-12-06 recorded no upper bound: theirs was an override's or the 10 of that time
+        high = (1.0 if r.get("lr_trust_region_mode") == "cap" else r.get("lr_trust_region_max_ratio")
+                or (r.get("overrides") or {}).get("lr_trust_region_max_ratio", 10.0))
+        low = 0.01
         used = learning.used_rates(traces)
         measured = [isinstance(v, float) and math.isfinite(v) for v in traces["oblr/step_kl"]]
         entry = by_method.setdefault(r["method"], {"pairs": 0, "moving": 0, "ratios": [], "run_medians": []})

@@ -900,6 +900,11 @@ def test_stability_smoke(saved_tiny_model, tmp_path):
     # each run names its code, its resolved config and each held-out problem's outcome
     assert record["code"]["git_commit"] and record["code"]["trl"] and isinstance(record["code"]["git_dirty"], bool)
     assert record["config"]["learning_rate"] == record["learning_rate"] == 1e-3
+    from oblr_trl.estimators.step_rate import RateRuleTuning
+
+    oblrpo = json.loads((tmp_path / "runs" / "test-oblrpo-lr0.001-seed0.json").read_text())
+    assert oblrpo["lr_trust_region_max_ratio"] == RateRuleTuning.lr_trust_region_max_ratio  # the bound it ran under
+    assert record["lr_trust_region_max_ratio"] is None  # GRPO has no rule
     assert len(record["outcomes"]) == 4 and sum(record["outcomes"]) / 4 == pytest.approx(record["accuracy"])
     questions = {name: {json.loads(line)["question"] for line in (tmp_path / "data" / f"{name}.jsonl").open()}
                  for name in ("train", "validation", "test")}
@@ -1072,6 +1077,10 @@ def test_the_rule_summary_says_where_a_bound_set_the_rate():
     assert by_rate[1e-6]["asked_over_scheduled_median"] == pytest.approx(60.0)  # of 40, 60, 80
     assert by_rate[1e-6]["used_over_configured_mean"] == pytest.approx((1e-8 + 3e-5 + 1e-6) / 5 / 1e-6)
     assert by_rate[1e-4]["at_upper_bound"] == 0 and by_rate[1e-4]["used_over_configured_mean"] < 1
+    # the bound a run recorded, then an override's, is the one its factor is held against
+    recorded = rate_rule_traces([{**low, "lr_trust_region_max_ratio": 100.0}])["rule"]["by_rate"][1e-6]
+    overridden = rate_rule_traces([{**low, "overrides": {"lr_trust_region_max_ratio": 100.0}}])["rule"]["by_rate"][1e-6]
+    assert recorded["at_upper_bound"] == overridden["at_upper_bound"] == 0
 
 
 def test_the_summary_names_the_code_each_methods_runs_were_made_by():
