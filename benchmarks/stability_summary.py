@@ -14,15 +14,15 @@ from functools import cached_property
 from pathlib import Path
 
 from benchmarks import learning
-from benchmarks.common import EQUIVALENCE_MARGIN, equivalence, markdown_table, write_results
+from benchmarks.common import EQUIVALENCE_MARGIN, equivalence, markdown_table, t_interval, write_results
 from benchmarks.stability_figures import Row, cells_row, plot_summary, screen_row
 from benchmarks.stability_measures import (
     COLLAPSE_MARGIN, code_of_runs, completion_lengths, rate_rule_traces, reproduction, screen_by_rate, smollm2_grid,
     step_kl_spread,
 )
 from benchmarks.stability_registry import (
-    DELTA_METHOD, GRID, LONG_COMPLETIONS, PEAK_DELTA, PEAK_DELTA_METHOD, REFERENCE, REPRODUCE, ProblemSet, Study,
-    problems_titled,
+    DELTA_METHOD, GRID, LONG_COMPLETIONS, PEAK_DELTA, PEAK_DELTA_METHOD, REFERENCE, REPRODUCE, STUDIES, ProblemSet,
+    Study, problems_titled,
 )
 
 # --- the folder's records --------------------------------------------------------------------------------------------
@@ -187,6 +187,38 @@ def pairs_section(folder: Folder) -> Section | None:
                     "crossed; the trust region's earlier forms, paired alike, are in [settled.md](settled.md)). "
                     f"{LEVEL}\n",
                     markdown_table(["final accuracy, paired by seed", *rates], rows), ""])
+
+
+def arms_section(folder: Folder) -> Section | None:
+    """The attribution study's arms at each of its rates, on the seeds every arm ran there: mean final test accuracy
+    [95 % t-interval over those seeds] and how many of them collapsed (`COLLAPSE_MARGIN`), so that the arms' levels
+    and the pairs' differences come from the same seeds."""
+    study = STUDIES["attribution"]
+    if folder.initial is None or folder.problems.best_rate is None:
+        return None
+    finals: dict[float, dict[str, dict[int, float]]] = {}
+    for r in folder.runs_of(study):
+        if r["method"] in study.methods:
+            finals.setdefault(r["learning_rate"], {}).setdefault(r["method"], {})[r["seed"]] = r["accuracy"]
+    untrained, results, columns = folder.initial["accuracy"], {}, []
+    for rate in study.rates(folder.problems):
+        by_arm = finals.get(rate, {})
+        seeds = sorted(set.intersection(*(set(by_arm.get(m, {})) for m in study.methods)))
+        if not seeds:
+            continue
+        results[f"{rate:.3g}"] = {"seeds": seeds, **{m: {
+            "mean": statistics.fmean(by_arm[m][s] for s in seeds), "ci": t_interval([by_arm[m][s] for s in seeds]),
+            "collapsed": sum(by_arm[m][s] < untrained - COLLAPSE_MARGIN for s in seeds)} for m in study.methods}}
+        columns.append(rate)
+    if not results:
+        return None
+    rows = [[method, *(f"{interval(c['mean'], c['ci'], sign='')} · collapsed {c['collapsed']}"
+                       for c in (results[f"{rate:.3g}"][method] for rate in columns))] for method in study.methods]
+    return Section([f"The attribution study's arms on the seeds all of them ran at each rate: final test accuracy, mean "
+                    f"[95 % t-interval over those seeds] · how many collapsed (untrained {untrained:.3f}):\n",
+                    markdown_table(["arm", *(f"lr {rate:.3g} (seeds {' '.join(map(str, results[f'{rate:.3g}']['seeds']))})"
+                                             for rate in columns)], rows), ""],
+                   {"attribution_arms": results})
 
 
 def pair_regrets_section(folder: Folder) -> Section | None:
@@ -373,7 +405,7 @@ def reproduce_section(folder: Folder) -> Section | None:
 
 
 SECTIONS: tuple[Callable[[Folder], Section | None], ...] = (
-    grid_section, code_section, pairs_section, pair_regrets_section, rate_rule_section, defaults_range_section,
+    grid_section, code_section, arms_section, pairs_section, pair_regrets_section, rate_rule_section, defaults_range_section,
     beyond_grid_section, completion_lengths_section, rate_screen_section, delta_section, reproduce_section)
 
 

@@ -1119,3 +1119,21 @@ def test_the_low_side_study_runs_the_defaults_and_the_100x_bound_on_validation_s
     trainer_cls, config = with_rate_tuning(OBLRPOTrainer, {**bounded["config"], **bounded["overrides"]})
     assert trainer_cls.rate_tuning.lr_trust_region_max_ratio == 100.0 and "lr_trust_region_max_ratio" not in config
     assert OBLRPOTrainer.rate_tuning.lr_trust_region_max_ratio == 10.0
+
+
+def test_the_attribution_arms_are_reported_on_the_seeds_all_of_them_ran():
+    """Each arm's mean at a rate comes from the seeds every arm ran there, a seed one arm lacks left out of all, with
+    the collapses counted against the untrained model."""
+    from benchmarks.stability_registry import A_PLUS_B, STUDIES
+    from benchmarks.stability_summary import Folder, arms_section
+
+    arms, nan = STUDIES["attribution"].methods, float("nan")
+    initial = {"method": "initial", "seed": 0, "learning_rate": 0.0, "split": "test", "problems": "a + b",
+               "accuracy": 0.5, "grader": 2}
+    runs = [snr_record(arm, seed, 1e-6, 0.15 * (i + 1) + 0.01 * seed, [0.5], [nan], "grid")
+            for i, arm in enumerate(arms) for seed in (0, 1, 2) if (arm, seed) != (arms[0], 2)]
+    section = arms_section(Folder(Path("unused"), A_PLUS_B, [initial, *runs], []))
+    cell = section.results["attribution_arms"]["1e-06"]
+    assert cell["seeds"] == [0, 1] and set(STUDIES["attribution"].rates(A_PLUS_B)) > {1e-6}
+    assert cell[arms[1]]["mean"] == pytest.approx(0.305) and cell[arms[1]]["collapsed"] == 2  # 0.3, 0.31 < 0.4
+    assert cell[arms[3]]["collapsed"] == 0 and "seeds 0 1" in "".join(section.markdown)

@@ -79,7 +79,8 @@ class OBLRPOConfig(OBLRPOOptions, GRPOConfig):  # this base order keeps GRPOConf
     Configuration class for [`OBLRPOTrainer`]: every [`~trl.GRPOConfig`] parameter, plus the ones below.
 
     OBLR-PO (Huang, Sheng, Zheng, [arXiv 2511.23310](https://huggingface.co/papers/2511.23310)) changes two things in
-    GRPO: the advantage baseline is the variance-optimal, gradient-weighted one, and the learning rate of each
+    GRPO: the advantage baseline is weighted by each completion's gradient (by default estimated as RLOO's
+    leave-one-out mean plus a shift fitted on earlier batches), and the learning rate of each
     optimizer step is scaled by a factor driven by the measured gradient signal-to-noise ratio. On top of the paper, a
     trust region measures the policy KL a step causes and sets the rate that moves the policy by δ (ours: the paper
     leaves its η_max unmeasured); in the default `"peak"` form that rate is the schedule's peak, within 0.01–10× the
@@ -91,8 +92,8 @@ class OBLRPOConfig(OBLRPOOptions, GRPOConfig):  # this base order keeps GRPOConf
     > `scale_rewards` keeps GRPOConfig's default, `"group"` (advantages divided by the group's reward std), although
     > the variance-optimal baseline of the theory has no std scaling: over a grid of learning rates from the best one
     > to 30× it (benchmarks/results/stability, synthetic testbed, 100 paired seeds) OBLR-PO without it lost 0.008
-    > [0.004, 0.012] of final score against GRPO, and with it was level (+0.001 [−0.002, +0.004]); at the best rate
-    > the two are level. `"none"` is the theory's choice.
+    > [0.004, 0.012] of final score against GRPO, and with it was level (+0.001 [−0.002, +0.004], inside the
+    > benchmarks' ±0.05 equivalence margin); at the best rate the two are level within that margin too. `"none"` is the theory's choice.
     >
     > One default differs from [`~trl.GRPOConfig`]:
     > - `bf16`: `None` resolves to what the machine supports (True on a GPU with bf16, False, i.e. fp32, on a CPU or

@@ -89,7 +89,8 @@ class OBLRPOOptions:
         "the group's std, which does.", BASELINE_ESTIMATORS)
     leave_one_out: bool = _option(
         True,
-        "Leave completion i out of its own baseline, which keeps the estimator unbiased. False: one baseline over "
+        "Leave completion i out of its own baseline, so that the baseline does not read the completion's own reward "
+        "(scale_rewards='group' still does, through the group's std). False: one baseline over "
         "the whole group (verl's OPO; with baseline_weights='uniform', GRPO's group mean).")
     per_sample_batch_size: int | None = _option(
         None,
