@@ -17,8 +17,8 @@ from benchmarks import learning
 from benchmarks.common import EQUIVALENCE_MARGIN, equivalence, markdown_table, t_interval, write_results
 from benchmarks.stability_figures import Row, cells_row, plot_summary, screen_row
 from benchmarks.stability_measures import (
-    COLLAPSE_MARGIN, code_of_runs, completion_lengths, rate_rule_traces, reproduction, screen_by_rate, smollm2_grid,
-    step_kl_spread,
+    COLLAPSE_MARGIN, code_of_runs, collapsed, completion_lengths, rate_rule_traces, reproduction, screen_by_rate,
+    smollm2_grid, step_kl_spread,
 )
 from benchmarks.stability_registry import (
     DELTA_METHOD, GRID, LONG_COMPLETIONS, PEAK_DELTA, PEAK_DELTA_METHOD, REFERENCE, REPRODUCE, STUDIES, ProblemSet,
@@ -208,16 +208,17 @@ def arms_section(folder: Folder) -> Section | None:
             continue
         results[f"{rate:.3g}"] = {"seeds": seeds, **{m: {
             "mean": statistics.fmean(by_arm[m][s] for s in seeds), "ci": t_interval([by_arm[m][s] for s in seeds]),
-            "collapsed": sum(by_arm[m][s] < untrained - COLLAPSE_MARGIN for s in seeds)} for m in study.methods}}
+            "collapsed": sum(collapsed({"final": by_arm[m][s], "initial": untrained}) for s in seeds)}
+            for m in study.methods}}
         columns.append(rate)
     if not results:
         return None
     rows = [[method, *(f"{interval(c['mean'], c['ci'], sign='')} · collapsed {c['collapsed']}"
                        for c in (results[f"{rate:.3g}"][method] for rate in columns))] for method in study.methods]
+    headers = [f"lr {rate:.3g} (seeds {' '.join(map(str, results[f'{rate:.3g}']['seeds']))})" for rate in columns]
     return Section([f"The attribution study's arms on the seeds all of them ran at each rate: final test accuracy, mean "
                     f"[95 % t-interval over those seeds] · how many collapsed (untrained {untrained:.3f}):\n",
-                    markdown_table(["arm", *(f"lr {rate:.3g} (seeds {' '.join(map(str, results[f'{rate:.3g}']['seeds']))})"
-                                             for rate in columns)], rows), ""],
+                    markdown_table(["arm", *headers], rows), ""],
                    {"attribution_arms": results})
 
 
@@ -405,8 +406,9 @@ def reproduce_section(folder: Folder) -> Section | None:
 
 
 SECTIONS: tuple[Callable[[Folder], Section | None], ...] = (
-    grid_section, code_section, arms_section, pairs_section, pair_regrets_section, rate_rule_section, defaults_range_section,
-    beyond_grid_section, completion_lengths_section, rate_screen_section, delta_section, reproduce_section)
+    grid_section, code_section, arms_section, pairs_section, pair_regrets_section, rate_rule_section,
+    defaults_range_section, beyond_grid_section, completion_lengths_section, rate_screen_section, delta_section,
+    reproduce_section)
 
 
 def write_summary(output_dir: Path, problems: ProblemSet) -> None:

@@ -93,7 +93,8 @@ class OBLRPOConfig(OBLRPOOptions, GRPOConfig):  # this base order keeps GRPOConf
     > the variance-optimal baseline of the theory has no std scaling: over a grid of learning rates from the best one
     > to 30× it (benchmarks/results/stability, synthetic testbed, 100 paired seeds) OBLR-PO without it lost 0.008
     > [0.004, 0.012] of final score against GRPO, and with it was level (+0.001 [−0.002, +0.004], inside the
-    > benchmarks' ±0.05 equivalence margin); at the best rate the two are level within that margin too. `"none"` is the theory's choice.
+    > benchmarks' ±0.05 equivalence margin); at the best rate the two are level within that margin too. `"none"` is
+    > the theory's choice.
     >
     > One default differs from [`~trl.GRPOConfig`]:
     > - `bf16`: `None` resolves to what the machine supports (True on a GPU with bf16, False, i.e. fp32, on a CPU or

@@ -119,7 +119,8 @@ def model_card_text(facts: ModelCardFacts) -> str:
         "## Training procedure", "",
         f"Trained with OBLR-PO ([{facts.paper['title']}](https://huggingface.co/papers/{facts.paper['id']})): "
         "GRPO's policy gradient with a baseline weighted by each completion's gradient (RLOO's leave-one-out mean plus "
-        "a shift fitted on earlier batches) and a learning rate scaled by the measured gradient signal-to-noise ratio.", "",
+        "a shift fitted on earlier batches) and a learning rate scaled by the measured gradient signal-to-noise "
+        "ratio.", "",
         "| setting | value |", "|---|---|",
         *[f"| {name} | {value} |" for name, value in facts.settings.items()], "",
     ]
