@@ -13,7 +13,7 @@ import statistics
 from benchmarks import learning
 from benchmarks.common import seeds_and_problems_interval, shipped, t_interval
 from benchmarks.stability_registry import (
-    PAIRS, REFERENCE, SMOLLM2_METHODS, TRL_SCHEDULE, ProblemSet,
+    PAIRS, REFERENCE, SMOLLM2_METHODS, STUDIES, TRL_SCHEDULE, ProblemSet,
 )
 
 Cells = dict[str, dict[float, list[dict]]]
@@ -146,6 +146,9 @@ def smollm2_grid(initial: dict, trained: list[dict], problems: ProblemSet,
     if "oblrpo" not in summary["methods"] and twin in summary["methods"]:  # the defaults' runs, under their own name
         summary["methods"]["oblrpo"] = {**summary["methods"][twin], "same_runs_as": twin}
         details["defaults_range"] = rate_range(grid + beyond, twin, summary["best_cell_final"])
+    # the low side's variants of the defaults, against the same best cell
+    details["low_side_range"] = {method: rate_range(grid + beyond, method, summary["best_cell_final"])
+                                 for method in STUDIES["low-side"].methods if method in summary["methods"]}
     return summary, details
 
 

@@ -81,6 +81,8 @@ DEFAULTS_TRUST_REGION = trust_region(16, PEAK_DELTA)
 GRPO_AS_OBLRPO = {"baseline_weights": "uniform", "baseline_estimator": "weighted", "leave_one_out": False,
                   "use_snr_lr": False}
 GRPO_TRUST_REGION = "grpo-trust-region"
+# the trust region's factor bounded at 100× the configured rate rather than 10×: where the defaults meet TRL's 1e-6
+BOUND_100 = "oblrpo-trust-bound100"
 
 SMOLLM2_METHODS: Mapping[str, Method] = by_name((
     Method(REFERENCE, None, "TRL's GRPOTrainer"),
@@ -93,7 +95,7 @@ SMOLLM2_METHODS: Mapping[str, Method] = by_name((
            "the defaults without the trust region, measuring every step's KL: the runs δ is read off"),
     Method(PEAK_DELTA_METHOD, DEFAULTS_TRUST_REGION,
            f"the peak form per unit of Adam's update at δ = {PEAK_DELTA:g}: the shipped defaults"),
-    Method("oblrpo-trust-bound100", {**DEFAULTS_TRUST_REGION, "lr_trust_region_max_ratio": 100.0},
+    Method(BOUND_100, {**DEFAULTS_TRUST_REGION, "lr_trust_region_max_ratio": 100.0},
            "the defaults with the trust region's factor bounded at 100×, not 10×: the low side at TRL's 1e-6"),
     Method("oblrpo-trust-peak-update-every16", trust_region(16),
            "the peak form per unit of Adam's update at the problem set's δ (the cap's)"),
@@ -151,9 +153,11 @@ SETTLED_METHODS: Mapping[str, Settled] = by_name((
         ("oblrpo-defaults-snr-two-sided-cal2", "as cal5, over a 2-step window"))),
 ))
 # what each part buys, paired by seed at each rate (first minus second): the trust region on GRPO's step, the paper's
-# two parts without it, the defaults against GRPO, and what each of the two adds on top of the other
+# two parts without it, the defaults against GRPO, what each of the two adds on top of the other, and what the 100×
+# bound changes on the defaults
 PAIRS = ((GRPO_TRUST_REGION, REFERENCE), ("oblrpo-no-trust", REFERENCE), (PEAK_DELTA_METHOD, REFERENCE),
-         (PEAK_DELTA_METHOD, GRPO_TRUST_REGION), (PEAK_DELTA_METHOD, "oblrpo-no-trust"))
+         (PEAK_DELTA_METHOD, GRPO_TRUST_REGION), (PEAK_DELTA_METHOD, "oblrpo-no-trust"),
+         (BOUND_100, PEAK_DELTA_METHOD))
 # a grid's methods unless its problem set names its own; settled ones among them, so a grid runs with `--methods`
 GRID_METHODS = (REFERENCE, "oblrpo", "oblrpo-no-trust", "oblrpo-paper", "grpo-trust-cap", "grpo-trust-target",
                 "oblrpo-trust-cap", "oblrpo-trust-cap-every4", "oblrpo-trust-cap-every8", "oblrpo-trust-target",
@@ -244,6 +248,11 @@ def attribution_rates(problems: ProblemSet) -> tuple[float, ...]:
     return 1e-6, problems.best_rate, float(f"{10 * problems.best_rate:g}")
 
 
+def low_side_rates(problems: ProblemSet) -> tuple[float, ...]:
+    """TRL's default rate and the rates of the problem set's grid below it."""
+    return tuple(sorted({1e-6, *(rate for rate in grid_rates(problems) if rate < 1e-6)}))
+
+
 @dataclass(frozen=True)
 class Study:
     """A set of SmolLM2 runs, made by ``stability.py --part <part>``, each recording ``study``, ``steps`` and
@@ -286,6 +295,12 @@ STUDIES: Mapping[str, Study] = by_name((
     Study("attribution", "grid", "GRPO, GRPO with the shipped trust region, the defaults without it and the defaults, "
           "at TRL's 1e-6, GRPO's best rate and 10× it, paired test seeds", seeds=(0, 1, 2, 3, 4), steps=40,
           rates=attribution_rates, methods=ATTRIBUTION_ARMS),
+    # the low side: where the shipped 10× bound held the trust region's factor (TRL's 1e-6 and the grid's rates below
+    # it, and nowhere else in the committed runs), the same rule bounded at 100×; under the grid's name, beside the
+    # defaults' runs of those cells
+    Study("low-side", "grid", "the defaults with the trust region's factor bounded at 100×, at TRL's 1e-6 and the "
+          "grid's rates below it, paired test seeds", seeds=(0, 1, 2, 3, 4), steps=40, rates=low_side_rates,
+          methods=(BOUND_100,)),
     # the cells run before runs recorded their code, run again on one seed at GRPO's best rate by today's code: a run
     # that reproduces its committed record step for step shows its cell is today's code
     Study("reproduce", "grid", "committed cells run again on seed 0 at GRPO's best rate", seeds=(0,), steps=40,

@@ -265,15 +265,20 @@ def rate_rule_section(folder: Folder) -> Section | None:
 
 
 def defaults_range_section(folder: Folder) -> Section | None:
-    """The defaults' twin at every configured rate it ran, against the grid's best cell (`rate_range`)."""
+    """The defaults' twin at every configured rate it ran, and the low side study's variants of it, against the
+    grid's best cell (`rate_range`)."""
     if folder.grid is None or not folder.grid[1].get("defaults_range"):
         return None
     summary, details = folder.grid
-    return Section([f"The defaults (`{summary['methods']['oblrpo']['same_runs_as']}`) at every configured rate, grid "
-                    "and beside it, against the grid's best cell:\n",
-                    markdown_table(["configured rate", "mean final", "seeds", "÷ best cell"],
-                                   [[rate, f"{cell['final_mean']:.3f}", cell["seeds"], fraction(cell["of_best_cell"])]
-                                    for rate, cell in details["defaults_range"].items()]), ""])
+    twin = summary["methods"]["oblrpo"]["same_runs_as"]
+    ranges = {f"the defaults (`{twin}`)": details["defaults_range"],
+              **{f"`{method}`": by_rate for method, by_rate in details.get("low_side_range", {}).items()}}
+    return Section(["The defaults at every configured rate, grid and beside it, and the low side study's variants of "
+                    "them (`--part low-side`), against the grid's best cell:\n",
+                    markdown_table(["method", "configured rate", "mean final", "seeds", "÷ best cell"],
+                                   [[name, rate, f"{cell['final_mean']:.3f}", cell["seeds"],
+                                     fraction(cell["of_best_cell"])]
+                                    for name, by_rate in ranges.items() for rate, cell in by_rate.items()]), ""])
 
 
 def beyond_grid_section(folder: Folder) -> Section | None:

@@ -573,6 +573,10 @@ def test_the_stability_registry_is_read_only_and_resolves_the_problem_sets_delta
         assert set(problems.methods) <= registered
     assert all(set(study.methods or ()) <= registered for study in STUDIES.values())
     assert {name for pair in PAIRS for name in pair} <= set(SMOLLM2_METHODS)
+    # the low side: TRL's default rate and the grid's rates below it, nowhere else
+    low_side = STUDIES["low-side"]
+    assert low_side.rates(A_PLUS_B) == (1e-6,) and low_side.rates(PROBLEM_SETS["a×b"]) == (3e-7, 1e-6)
+    assert low_side.rates(PROBLEM_SETS["a+b-reasoned"]) == (1e-6,) and low_side.name == STUDIES["smollm2"].name
     with pytest.raises(ValueError, match="declared twice"):
         by_name([takes, takes])
 
@@ -692,7 +696,7 @@ def test_the_grid_reports_the_defaults_from_the_trust_region_runs_that_are_them(
     `oblrpo` is absent, not borrowed."""
     from benchmarks.common import shipped
     from benchmarks.stability_measures import defaults_twin, grid_methods, smollm2_grid
-    from benchmarks.stability_registry import A_PLUS_B, PEAK_DELTA_METHOD, SMOLLM2_METHODS
+    from benchmarks.stability_registry import A_PLUS_B, BOUND_100, PEAK_DELTA_METHOD, SMOLLM2_METHODS
 
     twin = defaults_twin(A_PLUS_B)
     overrides = SMOLLM2_METHODS[twin].config_overrides(A_PLUS_B)
@@ -717,6 +721,12 @@ def test_the_grid_reports_the_defaults_from_the_trust_region_runs_that_are_them(
     assert list(rates) == [f"{r:g}" for r in A_PLUS_B.grid[:2]] + ["0.001"]
     assert rates["0.001"]["of_best_cell"] == pytest.approx(0.5) and rates["1e-06"]["of_best_cell"] == pytest.approx(1)
     assert list(details["beyond_grid"]) == [f"{twin} @ 0.001"] and details["steps"] == 3
+    assert details["low_side_range"] == {}
+    # the low side study's variant of the defaults, against the same best cell, and paired with them
+    summary, details = grid(twin, trained(BOUND_100, A_PLUS_B.grid[0], 0.45))
+    assert list(details["low_side_range"]) == [BOUND_100]
+    assert details["low_side_range"][BOUND_100]["1e-06"]["of_best_cell"] == pytest.approx(0.75)
+    assert summary["pairs"][f"{BOUND_100} - {twin}"]["1e-06"]["mean"] == pytest.approx(-0.15)
     # the arms' pairs at every rate both ran (the attribution study's 10× GRPO's best lies beyond the grid); the
     # regret stays the grid's
     summary = grid(twin, trained(twin, 1e-3, 0.3), trained("grpo", 1e-3, 0.1))[0]
