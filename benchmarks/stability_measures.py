@@ -160,7 +160,9 @@ def rate_rule_traces(runs: list[dict]) -> dict:
     * ``aim_ratio_*``: measured ÷ aimed KL over the measured steps after each run's first (median, quartiles, each
       run's median; runs that log the aim);
     * ``by_rate``: per configured rate, the shares of gradient steps at the upper and the lower bound, the median rate
-      asked ÷ scheduled and the mean rate used ÷ configured: where a bound, not the measured KL, set the rate."""
+      asked ÷ scheduled, the mean rate used ÷ configured, and the share of a run's summed rate used that fell on its
+      steps without a gradient (Adam's momentum alone, never raised by the trust region): where a bound, not the
+      measured KL, set the rate."""
     by_method: dict[str, dict] = {}
     for r in runs:
         traces = r.get("traces", {})
@@ -176,7 +178,7 @@ def rate_rule_traces(runs: list[dict]) -> dict:
         entry = by_method.setdefault(r["method"], {"pairs": 0, "moving": 0, "ratios": [], "run_medians": []})
         gradient = [g != 0 for g in traces["grad_norm"]]
         cell = entry.setdefault("by_rate", {}).setdefault(r["learning_rate"], {
-            "steps": 0, "upper": 0, "lower": 0, "asked": [], "used": []})
+            "steps": 0, "upper": 0, "lower": 0, "asked": [], "used": [], "momentum_share": []})
         asked = traces.get("oblr/trust_region_rate") or [math.nan] * len(used)
         for t, has_gradient in enumerate(gradient):
             if not has_gradient:
@@ -187,6 +189,7 @@ def rate_rule_traces(runs: list[dict]) -> dict:
             if math.isfinite(asked[t]) and traces["learning_rate"][t] > 0:
                 cell["asked"].append(asked[t] / traces["learning_rate"][t])
         cell["used"].append(statistics.fmean(used) / r["learning_rate"])
+        cell["momentum_share"].append(sum(u for u, g in zip(used, gradient) if not g) / sum(used))
         for t in range(1, len(used)):
             inside = low * 1.0001 < factors[t] < high * 0.9999
             if measured[t - 1] or not (gradient[t] and gradient[t - 1] and inside):
@@ -212,6 +215,7 @@ def rate_rule_traces(runs: list[dict]) -> dict:
                                               "asked_over_scheduled_median": (statistics.median(cell["asked"])
                                                                               if cell["asked"] else None),
                                               "used_over_configured_mean": statistics.fmean(cell["used"]),
+                                              "without_gradient_share_mean": statistics.fmean(cell["momentum_share"]),
                                               "runs": len(cell["used"])}
                                        for rate, cell in sorted(entry["by_rate"].items())}}
         if entry["ratios"]:

@@ -251,15 +251,19 @@ def rate_rule_section(folder: Folder) -> Section | None:
                                     "measured ÷ aimed KL after the first measurement: median [quartiles]"], rows), "",
                     "Where a bound set the rate, per configured rate (steps with a gradient; the bounds are 0.01× and "
                     "10× the scheduled rate or a method's own, 1× for the `cap` form): the share at each bound, the "
-                    "rate the trust region asked for ÷ the scheduled rate (median; runs that log it) and the rate "
-                    "used ÷ the configured rate (mean over steps and runs):\n",
+                    "rate the trust region asked for ÷ the scheduled rate (median; runs that log it), the rate "
+                    "used ÷ the configured rate (mean over steps and runs) and the share of a run's summed rate used "
+                    "that fell on its steps without a gradient (Adam's momentum alone, never raised by the trust "
+                    "region; mean over runs):\n",
                     markdown_table(["method", "lr", "runs", "steps with a gradient", "at the upper bound",
-                                    "at the lower bound", "asked ÷ scheduled (median)", "used ÷ configured"],
+                                    "at the lower bound", "asked ÷ scheduled (median)", "used ÷ configured",
+                                    "on steps without a gradient"],
                                    [[method, rate, cell["runs"], cell["gradient_steps"], fraction(cell["at_upper_bound"]),
                                      fraction(cell["at_lower_bound"]),
                                      "—" if cell["asked_over_scheduled_median"] is None
                                      else f"{cell['asked_over_scheduled_median']:.3g}",
-                                     f"{cell['used_over_configured_mean']:.3g}"]
+                                     f"{cell['used_over_configured_mean']:.3g}",
+                                     fraction(cell.get("without_gradient_share_mean"))]
                                     for method, entry in folder.grid[0]["rate_rule"].items()
                                     for rate, cell in entry["by_rate"].items()]), ""])
 

@@ -1067,7 +1067,8 @@ def test_the_summary_sets_each_reproduced_run_beside_its_committed_record(tmp_pa
 
 def test_the_rule_summary_says_where_a_bound_set_the_rate():
     """Per configured rate, of the steps with a gradient: the share at the 10× and at the 0.01× bound, what the trust
-    region asked for ÷ the scheduled rate, and the rate used ÷ the configured rate."""
+    region asked for ÷ the scheduled rate; the rate used ÷ the configured rate, and the share of the summed rate
+    used that fell on the steps without a gradient."""
     from benchmarks.stability_measures import rate_rule_traces
 
     nan = float("nan")
@@ -1086,6 +1087,8 @@ def test_the_rule_summary_says_where_a_bound_set_the_rate():
     assert by_rate[1e-6]["at_lower_bound"] == pytest.approx(1 / 4)
     assert by_rate[1e-6]["asked_over_scheduled_median"] == pytest.approx(60.0)  # of 40, 60, 80
     assert by_rate[1e-6]["used_over_configured_mean"] == pytest.approx((1e-8 + 3e-5 + 1e-6) / 5 / 1e-6)
+    # the momentum-only step's share of the run's summed rate: what a step without a gradient moved at 1e-6
+    assert by_rate[1e-6]["without_gradient_share_mean"] == pytest.approx(1e-6 / (1e-8 + 3e-5 + 1e-6))
     assert by_rate[1e-4]["at_upper_bound"] == 0 and by_rate[1e-4]["used_over_configured_mean"] < 1
     # the bound a run recorded, then an override's, is the one its factor is held against
     recorded = rate_rule_traces([{**low, "lr_trust_region_max_ratio": 100.0}])["rule"]["by_rate"][1e-6]
