@@ -182,3 +182,24 @@ def test_where_rate_free_stops_quotes_the_committed_summaries():
         cell = summary["rate_rule"]["oblrpo-trust-peak-update-every16-kl0.005"]["by_rate"]["1e-06"]
         measured += [round(100 * cell["at_upper_bound"]), round(cell["asked_over_scheduled_median"])]
     assert [int(value) for value in quoted.groups()] == measured
+
+
+def test_the_low_side_figures_quote_the_committed_long_task_summary():
+    """docs/rate_rule.md's test-seed figures for the trust region bounded at 100× at TRL's 1e-6 on long answers (its
+    mean final accuracy ÷ the grid's best cell, the rate used ÷ the configured rate beside the defaults' at GRPO's best
+    rate, and the share of the summed rate on steps without a gradient) are the committed summary's."""
+    text = " ".join((ROOT / "docs" / "rate_rule.md").read_text().split())
+    quoted = re.search(r"it ended (\d\.\d+) \[\S+ \S+\], (\d\.\d+)× the grid's best cell, .*?the rate used a mean "
+                       r"(\d+\.\d)× the configured 1e-6, against (\d\.\d+)× the configured 3e-5\), and yet the "
+                       r"defaults there end (\d\.\d+)\. .*? those steps carry (\d+) % of a run's summed rate, against "
+                       r"(\d+) % at 3e-5", text)
+    assert quoted, "the paragraph on the 100× bound moved"
+    summary = json.loads((ROOT / "benchmarks" / "results" / "stability-long" / "summary.json").read_text())
+    bound, defaults = "oblrpo-trust-bound100", "oblrpo-trust-peak-update-every16-kl0.005"
+    low_side = summary["smollm2"]["low_side_range"][bound]["1e-06"]
+    at_low, at_best = summary["rate_rule"][bound]["by_rate"]["1e-06"], summary["rate_rule"][defaults]["by_rate"]["3e-05"]
+    measured = [f"{low_side['final_mean']:.3f}", f"{low_side['of_best_cell']:.2f}",
+                f"{at_low['used_over_configured_mean']:.1f}", f"{at_best['used_over_configured_mean']:.2f}",
+                f"{summary['smollm2']['defaults_range']['3e-05']['final_mean']:.3f}",
+                f"{100 * at_low['without_gradient_share_mean']:.0f}", f"{100 * at_best['without_gradient_share_mean']:.0f}"]
+    assert list(quoted.groups()) == measured
