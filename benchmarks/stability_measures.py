@@ -146,7 +146,7 @@ def smollm2_grid(initial: dict, trained: list[dict], problems: ProblemSet,
     if "oblrpo" not in summary["methods"] and twin in summary["methods"]:  # the defaults' runs, under their own name
         summary["methods"]["oblrpo"] = {**summary["methods"][twin], "same_runs_as": twin}
         details["defaults_range"] = rate_range(grid + beyond, twin, summary["best_cell_final"])
-    # the low side's variants of the defaults, against the same best cell
+    # a variant of the defaults is a candidate default: it is judged by the bar the defaults are, the grid's best cell
     details["low_side_range"] = {method: rate_range(grid + beyond, method, summary["best_cell_final"])
                                  for method in STUDIES["low-side"].methods if method in summary["methods"]}
     return summary, details
@@ -178,7 +178,7 @@ def rate_rule_traces(runs: list[dict]) -> dict:
         entry = by_method.setdefault(r["method"], {"pairs": 0, "moving": 0, "ratios": [], "run_medians": []})
         gradient = [g != 0 for g in traces["grad_norm"]]
         cell = entry.setdefault("by_rate", {}).setdefault(r["learning_rate"], {
-            "steps": 0, "upper": 0, "lower": 0, "asked": [], "used": [], "momentum_share": []})
+            "steps": 0, "upper": 0, "lower": 0, "asked": [], "used": [], "without_gradient_share": []})
         asked = traces.get("oblr/trust_region_rate") or [math.nan] * len(used)
         for t, has_gradient in enumerate(gradient):
             if not has_gradient:
@@ -189,7 +189,8 @@ def rate_rule_traces(runs: list[dict]) -> dict:
             if math.isfinite(asked[t]) and traces["learning_rate"][t] > 0:
                 cell["asked"].append(asked[t] / traces["learning_rate"][t])
         cell["used"].append(statistics.fmean(used) / r["learning_rate"])
-        cell["momentum_share"].append(sum(u for u, g in zip(used, gradient) if not g) / sum(used))
+        if sum(used) > 0:
+            cell["without_gradient_share"].append(sum(u for u, g in zip(used, gradient) if not g) / sum(used))
         for t in range(1, len(used)):
             inside = low * 1.0001 < factors[t] < high * 0.9999
             if measured[t - 1] or not (gradient[t] and gradient[t - 1] and inside):
@@ -215,7 +216,9 @@ def rate_rule_traces(runs: list[dict]) -> dict:
                                               "asked_over_scheduled_median": (statistics.median(cell["asked"])
                                                                               if cell["asked"] else None),
                                               "used_over_configured_mean": statistics.fmean(cell["used"]),
-                                              "without_gradient_share_mean": statistics.fmean(cell["momentum_share"]),
+                                              "without_gradient_share_mean": (
+                                                  statistics.fmean(cell["without_gradient_share"])
+                                                  if cell["without_gradient_share"] else None),
                                               "runs": len(cell["used"])}
                                        for rate, cell in sorted(entry["by_rate"].items())}}
         if entry["ratios"]:

@@ -263,7 +263,7 @@ def rate_rule_section(folder: Folder) -> Section | None:
                                      "—" if cell["asked_over_scheduled_median"] is None
                                      else f"{cell['asked_over_scheduled_median']:.3g}",
                                      f"{cell['used_over_configured_mean']:.3g}",
-                                     fraction(cell.get("without_gradient_share_mean"))]
+                                     fraction(cell["without_gradient_share_mean"])]
                                     for method, entry in folder.grid[0]["rate_rule"].items()
                                     for rate, cell in entry["by_rate"].items()]), ""])
 

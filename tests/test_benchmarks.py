@@ -1115,7 +1115,7 @@ def test_the_cpu_lora_preset_is_the_cpu_preset_under_the_recipes_lora():
     assert parse_args(["--preset", "cpu-lora"]).preset == "cpu-lora"
 
 
-def test_the_low_side_study_runs_the_defaults_and_the_100x_bound_on_validation_seeds(tmp_path):
+def test_the_low_side_validation_runs_the_defaults_and_the_100x_bound_on_validation_seeds(tmp_path):
     """benchmarks/README's low-side command: the defaults and the same rule bounded at 100× at TRL's 1e-6 on the long
     task's validation seeds and split, the bound reaching the trainer's rate rule (a run made with 10× is not one)."""
     from benchmarks.stability import parse_args, plan, smollm2_specs
@@ -1132,6 +1132,21 @@ def test_the_low_side_study_runs_the_defaults_and_the_100x_bound_on_validation_s
     trainer_cls, config = with_rate_tuning(OBLRPOTrainer, {**bounded["config"], **bounded["overrides"]})
     assert trainer_cls.rate_tuning.lr_trust_region_max_ratio == 100.0 and "lr_trust_region_max_ratio" not in config
     assert OBLRPOTrainer.rate_tuning.lr_trust_region_max_ratio == 10.0
+
+
+def test_the_low_side_study_runs_the_100x_bound_on_test_seeds_under_the_grids_name(tmp_path):
+    """`--part low-side`: the 100× bound at TRL's 1e-6 (and a × b's 3e-7) on test seeds 0–4 and the test split, each
+    run recorded as the grid's, so that it pairs with the defaults' grid runs of the same cell."""
+    from benchmarks.stability import parse_args, plan, smollm2_specs
+    from benchmarks.stability_registry import BOUND_100, GRID, STUDIES
+
+    for problems, rates in (("a+b-reasoned", (1e-6,)), ("a×b", (3e-7, 1e-6))):
+        args = parse_args(["--part", "low-side", "--problems", problems, "--output_dir", str(tmp_path)])
+        specs, _ = smollm2_specs(args, plan(STUDIES["low-side"], args))
+        assert sorted((s["method"], s["seed"], s["split"], s["learning_rate"]) for s in specs) == sorted(
+            (BOUND_100, seed, "test", rate) for seed in range(5) for rate in rates)
+        assert {s["overrides"]["lr_trust_region_max_ratio"] for s in specs} == {100.0}
+        assert {s["identity"]["study"] for s in specs} == {GRID.name}
 
 
 def test_the_attribution_arms_are_reported_on_the_seeds_all_of_them_ran():
