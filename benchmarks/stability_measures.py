@@ -189,8 +189,8 @@ def rate_rule_traces(runs: list[dict]) -> dict:
             if math.isfinite(asked[t]) and traces["learning_rate"][t] > 0:
                 cell["asked"].append(asked[t] / traces["learning_rate"][t])
         cell["used"].append(statistics.fmean(used) / r["learning_rate"])
-        if sum(used) > 0:
-            cell["without_gradient_share"].append(sum(u for u, g in zip(used, gradient) if not g) / sum(used))
+        if (moved := sum(used)) > 0:
+            cell["without_gradient_share"].append(sum(u for u, g in zip(used, gradient) if not g) / moved)
         for t in range(1, len(used)):
             inside = low * 1.0001 < factors[t] < high * 0.9999
             if measured[t - 1] or not (gradient[t] and gradient[t - 1] and inside):

@@ -15,12 +15,15 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any, Literal
 
+from trl import GRPOConfig
+
 from benchmarks import learning
 from oblr_trl.tasks import BOXED_INSTRUCTION
 
 REFERENCE = "grpo"
 NOTHING: Mapping[str, Any] = MappingProxyType({})
 TRL_SCHEDULE: Mapping[str, Any] = MappingProxyType({"lr_scheduler_type": "linear", "warmup_steps": 0})  # GRPOConfig's
+TRL_RATE: float = GRPOConfig.__dataclass_fields__["learning_rate"].default  # what runs where none is set
 CPU = learning.CPU
 
 
@@ -245,12 +248,12 @@ def validation_rates(problems: ProblemSet) -> tuple[float, ...]:
 
 def attribution_rates(problems: ProblemSet) -> tuple[float, ...]:
     """TRL's default rate, GRPO's best rate on ``problems`` and 10× it."""
-    return 1e-6, problems.best_rate, float(f"{10 * problems.best_rate:g}")
+    return TRL_RATE, problems.best_rate, float(f"{10 * problems.best_rate:g}")
 
 
 def low_side_rates(problems: ProblemSet) -> tuple[float, ...]:
     """TRL's default rate and the rates of the problem set's grid below it."""
-    return tuple(sorted({1e-6, *(rate for rate in grid_rates(problems) if rate < 1e-6)}))
+    return tuple(sorted({TRL_RATE, *(rate for rate in grid_rates(problems) if rate < TRL_RATE)}))
 
 
 @dataclass(frozen=True)

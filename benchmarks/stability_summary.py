@@ -276,7 +276,7 @@ def defaults_range_section(folder: Folder) -> Section | None:
     summary, details = folder.grid
     twin = summary["methods"]["oblrpo"]["same_runs_as"]
     ranges = {f"the defaults (`{twin}`)": details["defaults_range"],
-              **{f"`{method}`": by_rate for method, by_rate in details.get("low_side_range", {}).items()}}
+              **{f"`{method}`": by_rate for method, by_rate in details["low_side_range"].items()}}
     return Section(["The defaults at every configured rate, grid and beside it, and the low side study's variants of "
                     "them (`--part low-side`), against the grid's best cell:\n",
                     markdown_table(["method", "configured rate", "mean final", "seeds", "÷ best cell"],
