@@ -83,3 +83,21 @@ def test_pieces_along_the_first_dimension_add_up_to_the_sketch_of_the_whole_grad
 def test_a_piece_that_does_not_fit_its_parameter_is_refused(shape, start):
     with pytest.raises(ValueError, match="does not fit"):
         GradientSketch([torch.Size([10, 4])]).add(0, torch.ones(shape), start=start)
+
+
+def test_a_projected_row_lands_in_its_own_k_entries_of_the_sketch():
+    """The layout a checkpoint's sketch is saved in: X·V row by row (k entries a row), Vᵀ·X whole."""
+    shapes = [torch.Size([64, 300]), torch.Size([300, 20])]
+    for index, shape in enumerate(shapes):
+        sketch = GradientSketch(shapes, rank=4, exact_below=100, seed=11)
+        row = 5
+        x = torch.zeros(shape)
+        x[row] = torch.randn(shape[1], generator=torch.Generator().manual_seed(index))
+        sketch.add(index, x)
+        flat = sketch.pop(torch.device("cpu"))
+        offset = 64 * 4 if index else 0
+        nonzero = flat.nonzero().reshape(-1)
+        if index == 0:  # X·V: only this row's k entries
+            assert nonzero.tolist() == list(range(offset + row * 4, offset + row * 4 + 4))
+        else:  # Vᵀ·X: one row of X reaches every column of the k × cols block
+            assert len(nonzero) == 4 * 20 and nonzero.min() >= offset

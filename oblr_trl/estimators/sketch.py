@@ -103,7 +103,10 @@ class GradientSketch:
             where = slice(offset + first, offset + first + part.numel())
         elif how == "cols":
             projection = self._projection(index, cols, matrix)[col_slice]
-            part = (matrix @ projection).float().reshape(-1) / math.sqrt(self.rank)
+            # X·V formed as (Vᵀ·Xᵀ)ᵀ: MKL runs a product with k rows 3-4× faster than one with k columns on one
+            # thread (k = 8); over SmolLM2-135M's gradients on 2 CPU cores the sketch took 0.092 s against 0.109 s.
+            # The layout stays X·V's, row by row, and the values move in the last bits only
+            part = (projection.T @ matrix.T).T.float().reshape(-1) / math.sqrt(self.rank)
             where = slice(offset + row_slice.start * self.rank, offset + row_slice.stop * self.rank)
         else:
             projection = self._projection(index, rows, matrix)[row_slice]
