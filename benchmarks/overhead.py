@@ -5,9 +5,11 @@ back), so a difference in time is the trainer's own. Per run, the mean of the ti
 paid every k-th step counts in full); per variant, the paired ratio to GRPO in each repeat, its mean with a 95 %
 t-interval over repeats. Peak memory: resident set size (CPU) or peak allocated (GPU). Runs in separate processes
 change order between repeats (`balanced_orders`), since the first to run is slower on a small machine; between
-processes minutes apart the machine's speed drifts by up to ±15 % on 2 shared cores, so ``--interleave`` trains every
-variant of a repeat in one process, one optimizer step each in turn (`LockStep`), and takes peak memory from
-``--memory_repeats`` further runs in processes of their own.
+processes minutes apart the machine's speed drifts by up to ±15 % on 2 shared cores, so ``--interleave`` starts every
+variant of a repeat at once, each in a process of its own, and lets them take one optimizer step each in turn
+(`LockStep`). Each trainer runs in its process's main thread, as a user's does: torch's CPU kernels called from a
+second thread of a process wake their OpenMP team slowly (on 2 cores a read of Adam's state took 0.24-0.30 s from a
+second thread against 0.11-0.13 s from the main one), which made every read a step pays look dearer than it is.
 
 Generation is timed inside every step (TRL's `_generate_single_turn`), so each step splits into generation and the
 **trainer's own part** (step minus generation): what a vLLM user pays, since vLLM makes generation cheap. OBLR-PO's
@@ -32,6 +34,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
+import multiprocessing.connection
 import os
 import statistics
 import threading
@@ -117,13 +121,9 @@ def parse_args(argv=None):
                         help="start no run: report the repeats whose runs are all recorded in <name>_runs.jsonl (a "
                              "benchmark the time limit stopped; implies --resume)")
     parser.add_argument("--interleave", action="store_true",
-                        help="train every variant of a repeat in one process, one optimizer step each in turn "
-                             "(each round in the next balanced order), so that the machine's drift between runs "
-                             "cancels from the paired ratios; peak memory comes from --memory_repeats separate runs "
-                             "instead")
-    parser.add_argument("--memory_repeats", type=int, default=2,
-                        help="with --interleave: repeats of every variant in its own process, the same steps, for "
-                             "peak memory (the interleaved variants share one process); 0: no memory")
+                        help="train every variant of a repeat at once, each in a process of its own, one optimizer "
+                             "step each in turn (each round in the next balanced order), so that the machine's drift "
+                             "between runs cancels from the paired ratios")
     return parser.parse_args(argv)
 
 
@@ -190,29 +190,35 @@ class PhaseTimer:
                 synchronize()
                 self.seconds += time.perf_counter() - start
 
-        setattr(cls, method, timed)  # this child process trains one variant (or one interleaved set), then exits
+        setattr(cls, method, timed)  # this process trains one variant, then exits
 
 
 class LockStep:
-    """Lets trainers in threads of one process take one optimizer step each in turn, each round in the next order of
-    `balanced_orders`, so a drift of the machine's speed reaches every variant alike and none keeps one place or
-    predecessor. A trainer that finished (or failed) leaves the rounds."""
+    """Lets trainers, each in a process of its own, take one optimizer step each in turn, each round in the next order
+    of `balanced_orders`, so a drift of the machine's speed reaches every variant alike and none keeps one place or
+    predecessor. A trainer that finished (or failed) leaves the rounds. Built before the processes start, which take
+    its condition and shared state with them."""
 
-    def __init__(self, names: list[str]):
-        self.names, self.finished = list(names), set()
+    def __init__(self, names: list[str], context=None):
+        context = context or multiprocessing.get_context("spawn")
+        self.names = list(names)
         self.orders = balanced_orders(len(self.names))
-        self.round, self.index = 0, 0
-        self.condition = threading.Condition()
+        self.condition = context.Condition()
+        # the round, the place in its order, then a flag for each trainer that left
+        self._state = context.Array("q", 2 + len(self.names), lock=False)
+
+    def _finished(self, name: str) -> bool:
+        return bool(self._state[2 + self.names.index(name)])
 
     def _current(self) -> str:
-        return self.names[self.orders[self.round % len(self.orders)][self.index]]
+        return self.names[self.orders[self._state[0] % len(self.orders)][self._state[1]]]
 
     def _advance(self) -> None:
-        while len(self.finished) < len(self.names):
-            self.index += 1
-            if self.index == len(self.names):
-                self.round, self.index = self.round + 1, 0
-            if self._current() not in self.finished:
+        while not all(self._finished(name) for name in self.names):
+            self._state[1] += 1
+            if self._state[1] == len(self.names):
+                self._state[0], self._state[1] = self._state[0] + 1, 0
+            if not self._finished(self._current()):
                 return
 
     def wait_turn(self, name: str) -> None:
@@ -227,51 +233,83 @@ class LockStep:
 
     def leave(self, name: str) -> None:
         with self.condition:
-            self.finished.add(name)
+            self._state[2 + self.names.index(name)] = 1
         self.pass_turn(name)
 
 
 def run_child(spec: dict) -> dict | list[dict]:
-    """One training run of one variant, or (``interleave``) of each of ``variants`` in lock step in one process;
-    returns per-step times and peak memory (per variant: none when interleaved, since they share the process)."""
+    """One training run of one variant, or (``interleave``) of each of ``variants`` in lock step, each in a process
+    of its own; returns per-step times and peak memory (per variant when interleaved)."""
+    if not spec.get("interleave"):
+        return train_variant(spec, spec["variant"])
+    variants = spec["variant"].split("+")
+    # two colocated vLLM engines on one machine: vLLM's CPU build would give each a KV cache of its share of memory,
+    # a fixed 1 GiB each is enough (16 completions of 256 tokens need 0.2 GiB)
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    context = multiprocessing.get_context("spawn")
+    lock_step = LockStep(variants, context)
+    receivers, processes = {}, {}
+    for variant in variants:
+        receivers[variant], sender = context.Pipe(duplex=False)
+        processes[variant] = context.Process(target=train_in_turn, args=(spec, variant, lock_step, sender),
+                                             name=f"overhead-{variant}")
+        processes[variant].start()
+        sender.close()
+    outcomes = {}  # a result, or why there is none
+    waiting = {**{receiver: variant for variant, receiver in receivers.items()},
+               **{process.sentinel: variant for variant, process in processes.items()}}
+    while len(outcomes) < len(variants):
+        for ready in multiprocessing.connection.wait(list(waiting)):
+            variant = waiting.pop(ready)
+            if variant in outcomes:
+                continue
+            if ready is receivers[variant] or receivers[variant].poll():
+                try:
+                    outcomes[variant] = receivers[variant].recv()
+                    continue
+                except EOFError:  # closed unsent: the process died, and its sentinel says so
+                    if ready is receivers[variant]:
+                        continue
+            outcomes[variant] = f"its process exited with code {processes[variant].exitcode} and no result"
+            lock_step.leave(variant)  # a crash in C skips the process's own leave
+    for process in processes.values():
+        process.join()
+    failures = [f"{variant}: {outcome}" for variant, outcome in outcomes.items() if isinstance(outcome, str)]
+    if failures:
+        raise RuntimeError("interleaved runs failed:\n" + "\n".join(failures))
+    return [{**outcomes[variant], "position": position} for position, variant in enumerate(variants)]
+
+
+def train_variant(spec: dict, variant: str, lock_step: LockStep | None = None) -> dict:
+    """Train ``variant`` in this process's main thread (in turn with others under ``lock_step``) and time it."""
     from oblr_trl.training.vllm_colocate import close_colocated_vllm
 
     generation = PhaseTimer("trl", "GRPOTrainer", "_generate_single_turn")
     phases = {name: PhaseTimer(*where) for name, where in PHASES.items()}
-    if not spec.get("interleave"):
-        trainer, times = timed_trainer(spec, spec["variant"], generation, phases)
-        with PeakMemory() as memory:
-            trainer.train()
-        close_colocated_vllm(trainer)  # while the process group exists: its teardown at exit prints a traceback
-        return run_result(spec, spec["variant"], trainer, times, memory.peak)
-    variants = spec["variant"].split("+")
-    # vLLM's CPU build gives a colocated engine's KV cache its share of memory less what the process already holds,
-    # which leaves the second engine in one process nothing: a fixed 1 GiB each (16 completions of 256 tokens need
-    # 0.2 GiB)
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    lock_step = LockStep(variants)
-    trainers = {variant: timed_trainer(spec, variant, generation, phases, lock_step) for variant in variants}
-    failures = []
+    if lock_step is None:
+        trainer, times = timed_trainer(spec, variant, generation, phases)
+    else:
+        with lock_step.condition:  # one at a time: each picks a free port for its process group while the other waits
+            trainer, times = timed_trainer(spec, variant, generation, phases, lock_step)
+    with PeakMemory() as memory:
+        trainer.train()
+    close_colocated_vllm(trainer)  # while the process group exists: its teardown at exit prints a traceback
+    return run_result(spec, variant, trainer, times, memory.peak)
 
-    def train(variant: str) -> None:
-        try:
-            trainers[variant][0].train()
-        except BaseException as error:  # re-raised below, once every thread has stopped
-            failures.append(error)
-        finally:
-            lock_step.leave(variant)
 
-    threads = [threading.Thread(target=train, args=(variant,)) for variant in variants]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    for trainer, _ in trainers.values():
-        close_colocated_vllm(trainer)
-    if failures:
-        raise failures[0]
-    return [{**run_result(spec, variant, *trainers[variant], None), "position": position}
-            for position, variant in enumerate(variants)]
+def train_in_turn(spec: dict, variant: str, lock_step: LockStep, sender) -> None:
+    """`train_variant` in a process of an interleaved repeat: its result, or the traceback of its failure, goes to
+    ``sender``; it leaves the rounds either way, so the others go on."""
+    import traceback
+
+    try:
+        outcome = json.loads(json.dumps(train_variant(spec, variant, lock_step)))
+    except BaseException:
+        outcome = traceback.format_exc()
+    finally:
+        lock_step.leave(variant)
+    sender.send(outcome)
+    sender.close()
 
 
 def timed_trainer(spec: dict, variant: str, generation: PhaseTimer, phases: dict[str, PhaseTimer],
@@ -344,6 +382,8 @@ def run_result(spec: dict, variant: str, trainer, times: dict[str, list[float]],
             "trainable_parameters": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
             "parameters": sum(p.numel() for p in trainer.model.parameters()),
             "distributed_type": str(trainer.accelerator.distributed_type), "step_seconds": timed,
+            # where it trained: a process of its own (interleaved or not), in that process's main thread
+            "process_id": os.getpid(), "main_thread": threading.current_thread() is threading.main_thread(),
             "step_spans": times["span"][warmup:],  # (start, end) of each timed step on this process's clock
             "generation_seconds": generating, "median_step_seconds": statistics.median(timed),
             "median_generation_seconds": statistics.median(generating),
@@ -433,17 +473,14 @@ def by_repeat(runs: list[dict], variants: list[str]) -> dict[str, list[dict]]:
     return {v: sorted((r for r in runs if r["variant"] == v), key=lambda r: r["repeat"]) for v in variants}
 
 
-def summarise(runs: list[dict], variants: list[str], memory_runs: list[dict] | None = None) -> list[dict]:
-    """One row per variant: times from ``runs``, peak memory from ``memory_runs`` (default: the same runs; the
-    separate-process runs when ``runs`` were interleaved)."""
+def summarise(runs: list[dict], variants: list[str]) -> list[dict]:
+    """One row per variant: its times and peak memory, paired with GRPO's repeat by repeat."""
     by_variant = by_repeat(runs, variants)
-    by_variant_memory = by_repeat(runs if memory_runs is None else memory_runs, variants)
-    reference, reference_memory = by_variant.get("grpo"), by_variant_memory.get("grpo")
+    reference = by_variant.get("grpo")
     rows = []
     for variant, results in by_variant.items():
         medians = [r["mean_step_seconds"] for r in results]  # the median over runs of each run's mean step
-        memory_results = [r for r in by_variant_memory[variant] if r["peak_memory_bytes"] is not None]
-        memory = [r["peak_memory_bytes"] for r in memory_results]
+        memory = [r["peak_memory_bytes"] for r in results]
         measured = [r["weights_measured_frac"] for r in results if r.get("weights_measured_frac") is not None]
         row = {"variant": variant, "median_step_seconds": statistics.median(medians), "min": min(medians),
                "weights_measured_frac": statistics.fmean(measured) if measured else None,
@@ -460,8 +497,7 @@ def summarise(runs: list[dict], variants: list[str], memory_runs: list[dict] | N
             time_ratios = paired("mean_step_seconds")
             trainer_ratios, generation_ratios = paired("mean_trainer_seconds"), paired("mean_generation_seconds")
             if memory:
-                memory_ratios = [r["peak_memory_bytes"] / g["peak_memory_bytes"]
-                                 for r, g in zip(memory_results, reference_memory, strict=True)]
+                memory_ratios = paired("peak_memory_bytes")
                 row |= {"memory_ratio": statistics.median(memory_ratios), "memory_ratio_min": min(memory_ratios),
                         "memory_ratio_max": max(memory_ratios)}
             row |= {"time_ratio": statistics.median(time_ratios), "time_ratio_min": min(time_ratios),
@@ -549,30 +585,25 @@ def main(argv=None):
         for repeat in range(args.repeats)
         for position, variant in enumerate(balanced_order(args.variants, repeat))
     ]
-    memory_specs = []
-    if args.interleave:  # one process a repeat, its variants named together in the order of their first round
-        memory_specs = [spec for spec in specs if spec["repeat"] < args.memory_repeats]
+    if args.interleave:  # one run a repeat, its variants named together in the order of their first round
         specs = [{**spec, "variant": "+".join(balanced_order(args.variants, repeat)), "position": 0,
                   "interleave": True, "output_dir": str(output_dir / "runs" / f"interleaved-{repeat}")}
                  for repeat, spec in enumerate(spec for spec in specs if spec["position"] == 0)]
     runs_log = output_dir / f"{args.name}_runs.jsonl"
-    done = recorded_runs(runs_log, specs + memory_specs) if args.resume or args.recorded_only else {}
+    done = recorded_runs(runs_log, specs) if args.resume or args.recorded_only else {}
     if args.recorded_only:
         args.repeats = complete_repeats(specs, done)
-        args.memory_repeats = complete_repeats(memory_specs, done)
         if not args.repeats:
             raise SystemExit(f"{runs_log}: no repeat has all of its runs recorded")
         specs = [spec for spec in specs if spec["repeat"] < args.repeats]
-        memory_specs = [spec for spec in memory_specs if spec["repeat"] < args.memory_repeats]
     elif not args.resume:
         runs_log.unlink(missing_ok=True)
-    todo = [spec for spec in specs + memory_specs if run_key(spec) not in done]
+    todo = [spec for spec in specs if run_key(spec) not in done]
     fresh = run_in_subprocesses(__spec__.name, todo, "overhead runs",
                                 on_result=lambda spec, result: append_run(runs_log, spec, result))
     done |= {run_key(spec): result for spec, result in zip(todo, fresh, strict=True)}
     runs = [run for spec in specs for run in (done[run_key(spec)] if args.interleave else [done[run_key(spec)]])]
-    memory_runs = [done[run_key(spec)] for spec in memory_specs] if args.interleave else None
-    rows = summarise(runs, args.variants, memory_runs)
+    rows = summarise(runs, args.variants)
     figure = plot(rows, output_dir, args.name)
     config = {**preset["config"], **overrides}
     markdown = (
@@ -582,11 +613,9 @@ def main(argv=None):
         f"completions per step, completions fixed at {length} tokens; {args.repeats} repeats "
         f"(orders balanced over repeats, the first {' '.join(balanced_order(args.variants, 0))}) × {args.steps} "
         f"timed steps (after {args.warmup_steps} warm-up; per run their mean)"
-        + ("; interleaved: each repeat one process in which the variants take one optimizer step each in turn, each "
-           "round in the next balanced order (every variant in every place and after every other alike)"
-           + (f"; peak memory from {args.memory_repeats} further repeats in which each variant trains alone in its "
-              "own process for the same steps" if args.memory_repeats else " (peak memory not measured)")
-           if args.interleave else "")
+        + ("; interleaved: in each repeat the variants train at once, each in a process of its own (its main "
+           "thread), and take one optimizer step each in turn, each round in the next balanced order (every variant "
+           "in every place and after every other alike)" if args.interleave else "")
         + (f"; preset overrides `{overrides}`" if overrides else "") + ".\n\n"
         + "The trainer's own part is the step minus the time in TRL's generation (what a vLLM user pays). Ratios "
           "are measured: per repeat the mean over its timed steps paired with GRPO's, their mean over repeats with a "
@@ -614,9 +643,7 @@ def main(argv=None):
              for r in rows],
         )
     )
-    write_results(output_dir, args.name, {"arguments": vars(args), "summary": rows, "runs": runs,
-                                          **({"memory_runs": memory_runs} if memory_runs is not None else {})},
-                  markdown)
+    write_results(output_dir, args.name, {"arguments": vars(args), "summary": rows, "runs": runs}, markdown)
     print(markdown)
     return 0
 
