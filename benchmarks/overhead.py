@@ -243,8 +243,8 @@ def run_child(spec: dict) -> dict | list[dict]:
     if not spec.get("interleave"):
         return train_variant(spec, spec["variant"])
     variants = spec["variant"].split("+")
-    # two colocated vLLM engines on one machine: vLLM's CPU build would give each a KV cache of its share of memory,
-    # a fixed 1 GiB each is enough (16 completions of 256 tokens need 0.2 GiB)
+    # two colocated vLLM engines on one machine, where vLLM's CPU build sizes each one's KV cache from the memory as if
+    # it were alone: a fixed 1 GiB each (16 completions of 256 tokens need 0.2 GiB)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     context = multiprocessing.get_context("spawn")
     lock_step = LockStep(variants, context)
