@@ -256,22 +256,16 @@ def run_child(spec: dict) -> dict | list[dict]:
         processes[variant].start()
         sender.close()
     outcomes = {}  # a result, or why there is none
-    waiting = {**{receiver: variant for variant, receiver in receivers.items()},
-               **{process.sentinel: variant for variant, process in processes.items()}}
     while len(outcomes) < len(variants):
+        waiting = {receiver: variant for variant, receiver in receivers.items() if variant not in outcomes}
         for ready in multiprocessing.connection.wait(list(waiting)):
-            variant = waiting.pop(ready)
-            if variant in outcomes:
-                continue
-            if ready is receivers[variant] or receivers[variant].poll():
-                try:
-                    outcomes[variant] = receivers[variant].recv()
-                    continue
-                except EOFError:  # closed unsent: the process died, and its sentinel says so
-                    if ready is receivers[variant]:
-                        continue
-            outcomes[variant] = f"its process exited with code {processes[variant].exitcode} and no result"
-            lock_step.leave(variant)  # a crash in C skips the process's own leave
+            variant = waiting[ready]
+            try:
+                outcomes[variant] = ready.recv()
+            except EOFError:  # its process died unsent (a crash in C), skipping its own leave
+                processes[variant].join()
+                outcomes[variant] = f"its process exited with code {processes[variant].exitcode} and no result"
+                lock_step.leave(variant)
     for process in processes.values():
         process.join()
     failures = [f"{variant}: {outcome}" for variant, outcome in outcomes.items() if isinstance(outcome, str)]
@@ -303,7 +297,7 @@ def train_in_turn(spec: dict, variant: str, lock_step: LockStep, sender) -> None
     import traceback
 
     try:
-        outcome = json.loads(json.dumps(train_variant(spec, variant, lock_step)))
+        outcome = train_variant(spec, variant, lock_step)
     except BaseException:
         outcome = traceback.format_exc()
     finally:
